@@ -1,0 +1,1 @@
+"""kvbalance.sim"""
