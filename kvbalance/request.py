@@ -8,8 +8,8 @@ prefill, prefix hits and recompute after preemption one code path (vLLM v1's vie
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 

@@ -1,1 +1,5 @@
-"""kvbalance.sim"""
+"""Discrete-event simulation of serving instances on a simulated clock."""
+
+from kvbalance.sim.loop import EventLoop, InstanceDriver, SimRun, simulate_instance
+
+__all__ = ["EventLoop", "InstanceDriver", "SimRun", "simulate_instance"]

@@ -1,1 +1,37 @@
-"""kvbalance.theory"""
+"""Queueing stability of LLM inference under a KV memory limit, and capacity planning built on it."""
+
+from kvbalance.theory.stability import (
+    AreaStats,
+    CapacityReport,
+    Empirical,
+    UniformInt,
+    area_stats,
+    batch_time_estimate,
+    capacity_report,
+    decode_area,
+    expected_area,
+    instances_needed,
+    memory_time_area,
+    prefill_area,
+    stability_margin,
+    stability_verdict,
+    stable_service_rate,
+)
+
+__all__ = [
+    "AreaStats",
+    "CapacityReport",
+    "Empirical",
+    "UniformInt",
+    "area_stats",
+    "batch_time_estimate",
+    "capacity_report",
+    "decode_area",
+    "expected_area",
+    "instances_needed",
+    "memory_time_area",
+    "prefill_area",
+    "stability_margin",
+    "stability_verdict",
+    "stable_service_rate",
+]

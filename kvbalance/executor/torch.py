@@ -1,0 +1,195 @@
+"""The real executor: runs a batch plan through a PyTorch Llama model over a paged KV cache.
+
+Each step flattens the plan's sequences (decodes and prefill chunks alike) into one forward,
+samples for the sequences that finish their known tokens, and reports the measured wall time
+split into host-side preparation + sampling (``overhead_s``) and the forward (``compute_s``).
+The KV cache is one tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; the
+block helpers move whole blocks for KV transfer and migration.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from kvbalance.executor.base import BatchPlan, KVTransfer, StepBreakdown, StepResult
+from kvbalance.model.llama import LlamaConfig, LlamaModel, build_step_metadata, rope_inv_freq
+from kvbalance.model.sampling import SampleRequest, sample
+from kvbalance.model.weights import hf_to_native, is_hf_state_dict
+
+
+def as_llama_config(config) -> LlamaConfig:
+    """Accept a LlamaConfig, a ModelSpec-like object or a HF config dict."""
+    if isinstance(config, LlamaConfig):
+        return config
+    if isinstance(config, dict):
+        return LlamaConfig.from_hf_config(config)
+    return LlamaConfig.from_spec(config)
+
+
+def build_model(
+    config: LlamaConfig,
+    weights: dict[str, torch.Tensor] | nn.Module,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LlamaModel:
+    """A :class:`LlamaModel` on ``device``/``dtype`` from a state dict (native or HF names) or a model."""
+    if isinstance(weights, LlamaModel):
+        return weights.to(device=device, dtype=dtype).eval()
+    sd = weights.state_dict() if isinstance(weights, nn.Module) else dict(weights)
+    if is_hf_state_dict(sd):
+        sd = hf_to_native(sd, config)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"weights: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    model.inv_freq = rope_inv_freq(config)  # non-persistent buffer, still on the meta device
+    return model.to(device=device, dtype=dtype).eval()
+
+
+class TorchExecutor:
+    """Executor that computes steps for real. ``execute(plan) -> StepResult``.
+
+    ``weights``: a state dict (native or HF names) or a model. ``transfer_handler``, when given,
+    is called as ``handler(executor, transfer)`` for each of the plan's KV loads and saves.
+    """
+
+    def __init__(
+        self,
+        config,
+        weights: dict[str, torch.Tensor] | nn.Module,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        num_threads: int | None = None,
+        transfer_handler: Callable[[TorchExecutor, KVTransfer], None] | None = None,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {block_size}")
+        if num_threads is not None:
+            torch.set_num_threads(int(num_threads))
+        self.config = as_llama_config(config)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.transfer_handler = transfer_handler
+        with torch.inference_mode():
+            self.model = build_model(self.config, weights, self.device, dtype)
+            c = self.config
+            self.kv_cache = torch.zeros(
+                (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim), device=self.device, dtype=dtype
+            )
+        self.model.bind_kv_cache(list(self.kv_cache[:, 0]), list(self.kv_cache[:, 1]))
+        self.generator = torch.Generator(device=self.device).manual_seed(0)  # unseeded random sampling
+        self.last_logits: torch.Tensor | None = None  # [S, V] float32 of the latest step (tests, debugging)
+        self.last_logits_request_ids: list[str] = []
+
+    # -- sizes ------------------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_block(self) -> int:
+        c = self.config
+        return c.num_layers * 2 * self.block_size * c.num_kv_heads * c.head_dim * self.kv_cache.element_size()
+
+    # -- stepping ---------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def execute(self, plan: BatchPlan) -> StepResult:
+        t0 = time.perf_counter()
+        if plan.block_size != self.block_size:
+            raise ValueError(f"block_size: plan uses {plan.block_size}, executor's cache {self.block_size}")
+        finished_loads, finished_saves = self._run_transfers(plan.kv_loads, plan.kv_saves)
+        seqs = [s for s in plan.seqs if s.num_new_tokens > 0]
+        if not seqs:
+            dt = time.perf_counter() - t0
+            return StepResult(dt, finished_loads=finished_loads, finished_saves=finished_saves,
+                              breakdown=StepBreakdown(overhead_s=dt))  # fmt: skip
+        with torch.inference_mode():
+            token_ids: list[int] = []
+            starts, lens, tables, sample_rows, sample_params, sample_ids = [], [], [], [], [], []
+            for b, s in enumerate(seqs):
+                req = s.request
+                end = s.start + s.num_new_tokens
+                if end > req.num_tokens:
+                    raise ValueError(
+                        f"num_new_tokens: request {req.request_id} computes up to {end}, knows {req.num_tokens} tokens"
+                    )
+                token_ids.extend(req.token_ids(s.start, end))
+                starts.append(s.start)
+                lens.append(s.num_new_tokens)
+                tables.append(req.block_ids)
+                if s.sample:
+                    sp = req.sampling
+                    sample_rows.append(b)
+                    sample_ids.append(req.request_id)
+                    sample_params.append(
+                        SampleRequest(sp.temperature, sp.top_k, sp.top_p, sp.seed, sp.logprobs, position=end)
+                    )
+            meta = build_step_metadata(
+                starts, lens, tables, sample_rows, self.block_size, self.model.layers[0].attn.group,
+                self.device, self.dtype,
+            )  # fmt: skip
+            input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            self._sync()
+            t1 = time.perf_counter()
+            hidden = self.model(input_ids, meta)
+            logits = self.model.compute_logits(hidden.index_select(0, meta.logits_indices)) if sample_rows else None
+            self._sync()
+            t2 = time.perf_counter()
+            sampled, logprobs = {}, {}
+            if logits is not None:
+                tokens, lps = sample(logits, sample_params, self.generator)
+                for rid, tok, lp in zip(sample_ids, tokens, lps):
+                    sampled[rid] = tok
+                    if lp is not None:
+                        logprobs[rid] = lp
+            self.last_logits, self.last_logits_request_ids = logits, sample_ids
+        t3 = time.perf_counter()
+        total = t3 - t0
+        breakdown = StepBreakdown(compute_s=t2 - t1, overhead_s=(t1 - t0) + (t3 - t2))
+        return StepResult(total, sampled, logprobs, finished_loads, finished_saves, breakdown)
+
+    def _run_transfers(self, loads: Sequence[KVTransfer], saves: Sequence[KVTransfer]) -> tuple[list, list]:
+        if not loads and not saves:
+            return [], []
+        if self.transfer_handler is None:
+            raise ValueError("kv_loads/kv_saves: plan has KV transfers but the executor has no transfer_handler")
+        for t in (*loads, *saves):
+            self.transfer_handler(self, t)
+        return [t.request_id for t in loads], [t.request_id for t in saves]
+
+    # -- block movement (KV transfer, migration, prefix copy-on-write) ----------------------------
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_blocks):
+            raise ValueError(f"block_ids: out of range [0, {self.num_blocks}): {list(block_ids)[:8]}")
+        return idx.to(self.device)
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy whole blocks ``src[i] -> dst[i]`` in every layer (K and V)."""
+        if len(src) != len(dst):
+            raise ValueError(f"dst: {len(dst)} blocks for {len(src)} source blocks")
+        with torch.inference_mode():
+            self.kv_cache.index_copy_(2, self._index(dst), self.kv_cache.index_select(2, self._index(src)))
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """A copy of the blocks: ``[layers, 2, len(block_ids), block_size, kv_heads, head_dim]``."""
+        with torch.inference_mode():
+            return self.kv_cache.index_select(2, self._index(block_ids))
+
+    def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+        """Write blocks read by :meth:`read_blocks` (possibly on another executor/device) into ``block_ids``."""
+        expected = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
+        if tuple(blocks.shape) != expected:
+            raise ValueError(f"blocks: shape {tuple(blocks.shape)}, expected {expected}")
+        with torch.inference_mode():
+            self.kv_cache.index_copy_(2, self._index(block_ids), blocks.to(self.device, self.dtype))

@@ -1,0 +1,434 @@
+"""A Llama-architecture decoder in plain PyTorch that computes one step over a paged KV cache.
+
+One forward runs a flattened mix of prefill chunks and decodes (tokens of all sequences
+concatenated). Each layer writes the new tokens' K/V into their cache slots, gathers every
+sequence's context through its block table into a padded batch and runs
+``scaled_dot_product_attention`` once. The per-step bookkeeping (slot mapping, gather indices,
+mask, RoPE angles) lives in :class:`StepMetadata`, built once per step and shared by all layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LLAMA_LIKE_ARCHS = ("llama", "qwen2", "mistral", "smollm", "smollm2")
+
+
+@dataclass
+class LlamaConfig:
+    """Shape and numerics of a Llama-architecture model (field names follow ``ModelSpec``)."""
+
+    name: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_layers: int = 32
+    num_heads: int = 32
+    num_kv_heads: int = 32
+    head_dim: int = 128
+    max_context: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # HF style: {"rope_type": "llama3" | "linear", "factor": ..., ...}
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False  # HF Llama's ``attention_bias`` biases o_proj too; Qwen2 biases only q/k/v
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f}: must be >= 1, got {getattr(self, f)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: {self.num_kv_heads} must divide num_heads {self.num_heads} (grouped-query attention)"
+            )
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim: must be even and >= 2 for RoPE, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ("default", "linear", "llama3"):
+                raise ValueError(f"rope_scaling: type {kind!r} not supported (default, linear, llama3)")
+
+    @property
+    def num_params(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        per_layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+    @classmethod
+    def from_spec(cls, spec) -> LlamaConfig:
+        """Build from anything with ``ModelSpec``'s field names (duck-typed, so no import of specs)."""
+        arch = str(getattr(spec, "arch", "llama") or "llama").lower()
+        if arch not in LLAMA_LIKE_ARCHS:
+            raise ValueError(f"arch: {arch!r} is not a Llama-architecture model ({', '.join(LLAMA_LIKE_ARCHS)})")
+        heads = int(spec.num_heads)
+        head_dim = getattr(spec, "head_dim", None) or spec.hidden_size // heads
+        qkv_bias = bool(getattr(spec, "qkv_bias", False))
+        return cls(
+            name=str(getattr(spec, "name", arch)),
+            vocab_size=int(spec.vocab_size),
+            hidden_size=int(spec.hidden_size),
+            intermediate_size=int(spec.intermediate_size),
+            num_layers=int(spec.num_layers),
+            num_heads=heads,
+            num_kv_heads=int(getattr(spec, "num_kv_heads", None) or heads),
+            head_dim=int(head_dim),
+            max_context=int(getattr(spec, "max_context", 4096) or 4096),
+            rms_norm_eps=float(getattr(spec, "rms_norm_eps", 1e-5) or 1e-5),
+            rope_theta=float(getattr(spec, "rope_theta", 10000.0) or 10000.0),
+            rope_scaling=_rope_scaling_or_none(getattr(spec, "rope_scaling", None)),
+            tie_word_embeddings=bool(getattr(spec, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=False,
+        )
+
+    @classmethod
+    def from_hf_config(cls, d: dict) -> LlamaConfig:
+        """Build from a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2; transformers 4 or 5 keys)."""
+        model_type = str(d.get("model_type", "llama")).lower()
+        if model_type not in LLAMA_LIKE_ARCHS:
+            raise ValueError(f"model_type: {model_type!r} is not a Llama-architecture model")
+        heads = int(d["num_attention_heads"])
+        rope_params = dict(d.get("rope_parameters") or {})
+        theta = d.get("rope_theta", rope_params.pop("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling") or rope_params or None
+        attention_bias = bool(d.get("attention_bias", False))
+        return cls(
+            name=str(d.get("_name_or_path") or model_type),
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
+            max_context=int(d.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=_rope_scaling_or_none(scaling),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias and model_type != "qwen2",
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+        )
+
+    def to_hf_config(self) -> dict:
+        """A ``config.json``-style dict for ``transformers.LlamaConfig`` (tests, saving)."""
+        if self.qkv_bias != self.o_bias:
+            raise ValueError("qkv_bias: HF Llama biases q/k/v/o together; this config differs (Qwen2-style)")
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling:
+            rope.update(self.rope_scaling)
+            rope["rope_type"] = rope.pop("type", rope.get("rope_type", "default"))
+        return {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_context,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": rope,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.qkv_bias,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rope_scaling_or_none(scaling) -> dict | None:
+    if not scaling:
+        return None
+    scaling = dict(scaling)
+    kind = scaling.pop("type", None) or scaling.get("rope_type", "default")
+    scaling["rope_type"] = kind
+    scaling.pop("rope_theta", None)
+    return None if kind == "default" and len(scaling) == 1 else scaling
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim / 2] in float32, with ``linear`` or ``llama3`` scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by ``factor``, blend linearly in wavelength between.
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling.get("original_max_position_embeddings", config.max_context))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(middle, blended, inv_freq)
+    return inv_freq
+
+
+# -- per-step metadata ----------------------------------------------------------------------------
+
+
+@dataclass
+class StepMetadata:
+    """Everything attention needs for one step, computed once and shared by all layers.
+
+    Tokens of all sequences are concatenated (``T`` rows). Attention runs on a padded batch
+    ``[B, max_q]`` of queries against ``[B, max_ctx]`` gathered context slots.
+    """
+
+    positions: torch.Tensor  # [T] long
+    slot_mapping: torch.Tensor  # [T] long: cache slot (block * block_size + offset) of each new token
+    query_start_loc: torch.Tensor  # [B + 1] long, cumulative new-token counts
+    context_lens: torch.Tensor  # [B] long, tokens whose KV exists after the step
+    block_tables: torch.Tensor  # [B, max_blocks] long, padded with 0
+    context_slots: torch.Tensor  # [B * max_ctx] long: cache slots to gather (padding -> slot 0)
+    attn_bias: torch.Tensor | None  # [B, 1, G * max_q, max_ctx] additive mask (0 / -inf), None if not needed
+    query_index: torch.Tensor | None  # [B * max_q] row of T for each padded query (None: decode-only)
+    output_index: torch.Tensor | None  # [T] row of the padded output for each token (None: decode-only)
+    logits_indices: torch.Tensor  # [S] rows of T that sample
+    batch_size: int
+    max_q: int
+    max_ctx: int
+    cos: torch.Tensor | None = None  # [T, head_dim / 2], filled by the model
+    sin: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def build_step_metadata(
+    seq_starts: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    sample_rows: list[int],
+    block_size: int,
+    group_size: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> StepMetadata:
+    """Vectorised (numpy) construction of the step's index tensors.
+
+    ``seq_starts[b]``: first new position of sequence b; ``seq_lens[b]``: its new tokens;
+    ``block_tables[b]``: its physical block ids; ``sample_rows``: indices b that sample.
+    ``group_size`` is query heads per KV head (the mask is laid out for folded GQA queries).
+    """
+    b = len(seq_starts)
+    starts = np.asarray(seq_starts, dtype=np.int64)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    ctx = starts + lens
+    num_tokens = int(lens.sum())
+    max_q = int(lens.max())
+    max_ctx = int(ctx.max())
+    max_blocks = (max_ctx + block_size - 1) // block_size
+    table = np.zeros((b, max_blocks), dtype=np.int64)
+    for i, ids in enumerate(block_tables):
+        n = min(len(ids), max_blocks)
+        if len(ids) * block_size < ctx[i]:
+            raise ValueError(
+                f"block_ids: sequence {i} has {len(ids)} blocks of {block_size}, needs {int(ctx[i])} tokens"
+            )
+        table[i, :n] = ids[:n]
+    cu = np.zeros(b + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    seq_of_token = np.repeat(np.arange(b), lens)
+    offset_in_seq = np.arange(num_tokens) - cu[:-1][seq_of_token]
+    positions = starts[seq_of_token] + offset_in_seq
+    slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+    kpos = np.arange(max_ctx)
+    ctx_slots = table[:, kpos // block_size] * block_size + kpos % block_size  # [B, max_ctx]
+    key_valid = kpos[None, :] < ctx[:, None]  # [B, max_ctx]
+    decode_only = max_q == 1
+    if decode_only:
+        query_index = output_index = None
+        mask = key_valid[:, None, None, :]  # [B, 1, 1, max_ctx]
+        need_mask = not bool(key_valid.all())
+    else:
+        qi = np.arange(max_q)
+        q_valid = qi[None, :] < lens[:, None]  # [B, max_q]
+        q_pos = np.where(q_valid, starts[:, None] + qi[None, :], 0)
+        query_index = np.where(q_valid, cu[:-1, None] + qi[None, :], 0).reshape(-1)
+        output_index = seq_of_token * max_q + offset_in_seq
+        allowed = (kpos[None, None, :] <= q_pos[:, :, None]) & key_valid[:, None, :]  # [B, max_q, max_ctx]
+        # Folded GQA: query rows are ordered (group, q) inside each KV head.
+        mask = np.broadcast_to(allowed[:, None, None], (b, 1, group_size, max_q, max_ctx))
+        mask = mask.reshape(b, 1, group_size * max_q, max_ctx)
+        need_mask = True
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
+
+    attn_bias = None
+    if need_mask:
+        bias = np.where(mask, np.float32(0.0), np.float32(-np.inf))
+        attn_bias = t(bias).to(dtype)
+    logits_rows = cu[1:][np.asarray(sample_rows, dtype=np.int64)] - 1
+    return StepMetadata(
+        positions=t(positions),
+        slot_mapping=t(slots),
+        query_start_loc=t(cu),
+        context_lens=t(ctx),
+        block_tables=t(table),
+        context_slots=t(ctx_slots.reshape(-1)),
+        attn_bias=attn_bias,
+        query_index=None if query_index is None else t(query_index),
+        output_index=None if output_index is None else t(output_index),
+        logits_indices=t(logits_rows),
+        batch_size=b,
+        max_q=max_q,
+        max_ctx=max_ctx,
+    )
+
+
+# -- layers ---------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout). ``x`` [T, heads, head_dim]; ``cos``/``sin`` [T, head_dim / 2]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over the paged cache; ``k_cache``/``v_cache`` are bound by the executor."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.group = config.num_heads // config.num_kv_heads
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.scale = config.head_dim**-0.5
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim]
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv(x)
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), meta.cos, meta.sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), meta.cos, meta.sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+
+        kvh, hd, g = self.num_kv_heads, self.head_dim, self.group
+        k_flat = self.k_cache.view(-1, kvh, hd)
+        v_flat = self.v_cache.view(-1, kvh, hd)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+
+        b, max_q, max_ctx = meta.batch_size, meta.max_q, meta.max_ctx
+        # [B, kvh, max_ctx, hd] views of the gathered contexts
+        kc = k_flat.index_select(0, meta.context_slots).view(b, max_ctx, kvh, hd).transpose(1, 2)
+        vc = v_flat.index_select(0, meta.context_slots).view(b, max_ctx, kvh, hd).transpose(1, 2)
+        if meta.query_index is None:  # decode-only: one query per sequence, fold the group into rows
+            qp = q.view(b, kvh, g, hd)
+        else:
+            qp = q.index_select(0, meta.query_index).view(b, max_q, kvh, g, hd)
+            qp = qp.permute(0, 2, 3, 1, 4).reshape(b, kvh, g * max_q, hd)
+        out = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=meta.attn_bias, scale=self.scale)
+        if meta.query_index is None:
+            out = out.reshape(t, self.q_size)
+        else:
+            out = out.view(b, kvh, g, max_q, hd).permute(0, 3, 1, 2, 4).reshape(b * max_q, self.q_size)
+            out = out.index_select(0, meta.output_index)
+        return self.o(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), meta)
+        return h + self.mlp(self.post_attn_norm(h))
+
+
+class LlamaModel(nn.Module):
+    """Llama decoder + LM head. Parameter names are this project's (see ``weights.hf_to_native``)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
+            layer.attn.k_cache, layer.attn.v_cache = k, v
+
+    def forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] for the flattened step (positions come from ``meta``)."""
+        freqs = meta.positions.float()[:, None] * self.inv_freq.float()[None, :]
+        meta.cos, meta.sin = freqs.cos().to(self.embed.weight.dtype), freqs.sin().to(self.embed.weight.dtype)
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = layer(h, meta)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for the rows given (apply only to the rows that sample)."""
+        h = self.norm(hidden)
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, w).float()

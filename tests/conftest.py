@@ -1,0 +1,41 @@
+"""Shared test helpers: a trivial executor and request builders."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from kvbalance.executor.base import BatchPlan, StepResult
+from kvbalance.request import Request, SamplingParams
+
+
+class EchoExecutor:
+    """Deterministic stand-in executor: fixed step time, token = f(request id, position)."""
+
+    def __init__(self, step_s: float = 0.01, per_token_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.per_token_s = per_token_s
+        self.plans: list[BatchPlan] = []
+
+    def execute(self, plan: BatchPlan) -> StepResult:
+        self.plans.append(plan)
+        sampled = {
+            s.request.request_id: 1_000_000
+            + (zlib.crc32(s.request.request_id.encode()) % 1000) * 10_000
+            + s.context_len
+            for s in plan.seqs
+            if s.sample
+        }
+        return StepResult(self.step_s + self.per_token_s * plan.num_tokens, sampled)
+
+
+def make_request(rid: str, prompt, max_tokens: int = 8, arrival_s: float = 0.0) -> Request:
+    if isinstance(prompt, int):
+        prompt = list(range(10_000 * (hash(rid) % 1000), 10_000 * (hash(rid) % 1000) + prompt))
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s)
+
+
+@pytest.fixture
+def echo_executor():
+    return EchoExecutor()
