@@ -78,6 +78,7 @@ class Request:
         "prefix_hit_tokens",
         "meta",
         "_block_hashes",
+        "_num_prompt",
     )
 
     def __init__(
@@ -95,6 +96,7 @@ class Request:
             raise ValueError(f"arrival_s: must be >= 0, got {arrival_s} for request {request_id}")
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
+        self._num_prompt = len(prompt_token_ids)
         if sampling is None:
             sampling = SamplingParams(max_tokens=max_tokens or 16, ignore_eos=True)
         elif max_tokens is not None:
@@ -126,7 +128,7 @@ class Request:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt
 
     @property
     def num_output_tokens(self) -> int:
@@ -135,24 +137,24 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt plus output so far: the length whose KV a running request needs."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self._num_prompt + len(self.output_token_ids)
 
     @property
     def max_total_tokens(self) -> int:
         """Longest the sequence can get (KV tokens when the last token is sampled; its own KV is never written)."""
-        return len(self.prompt_token_ids) + self.sampling.max_tokens - 1
+        return self._num_prompt + self.sampling.max_tokens - 1
 
     @property
     def is_finished(self) -> bool:
         return self.state in (RequestState.FINISHED, RequestState.REJECTED, RequestState.ABORTED)
 
     def token_id(self, pos: int) -> int:
-        n = len(self.prompt_token_ids)
+        n = self._num_prompt
         return int(self.prompt_token_ids[pos]) if pos < n else self.output_token_ids[pos - n]
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Token ids in [start, end) over prompt + output."""
-        n = len(self.prompt_token_ids)
+        n = self._num_prompt
         out: list[int] = []
         if start < n:
             p = self.prompt_token_ids[start : min(end, n)]

@@ -110,38 +110,45 @@ class Scheduler:
         return self.pool.num_free >= n
 
     def _schedule_running(self, plan: BatchPlan, budget: int) -> int:
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        bs = self.block_size
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            (decodes if r._num_prompt + len(r.output_token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
         scheduled: set[str] = set()
+        seqs = plan.seqs
+        preempted = False
         for req in decodes + prefills:
             if budget <= 0:
                 break
-            if req.state is not RequestState.RUNNING:
+            if preempted and req.state is not RequestState.RUNNING:
                 continue  # preempted earlier in this step
-            while True:
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                need = self.pool.blocks_for_tokens(req.num_computed_tokens + n) - len(req.block_ids)
-                if self._ensure_free(need):
-                    break
-                if n > 1:  # a prefill chunk: shrink it to the blocks that are free
-                    fit = (
-                        len(req.block_ids) + self.pool.num_free
-                    ) * self.block_size - req.num_computed_tokens
-                    if fit >= 1:
-                        n = min(n, fit)
-                        need = self.pool.blocks_for_tokens(req.num_computed_tokens + n) - len(req.block_ids)
+            computed = req.num_computed_tokens
+            total = req._num_prompt + len(req.output_token_ids)
+            n = min(total - computed, budget)
+            if computed + n > len(req.block_ids) * bs:  # needs new blocks
+                while True:
+                    n = min(total - computed, budget)
+                    need = self.pool.blocks_for_tokens(computed + n) - len(req.block_ids)
+                    if self._ensure_free(need):
                         break
-                victim = self._pick_victim(scheduled)
-                self._preempt(victim)
-                if victim is req:
-                    n = 0
-                    break
-            if n <= 0:
-                continue
-            if need > 0:
-                req.block_ids.extend(self.pool.allocate(need))
-            start = req.num_computed_tokens
-            plan.seqs.append(ScheduledSeq(req, start, n, start + n == req.num_tokens))
+                    if n > 1:  # a prefill chunk: shrink it to the blocks that are free
+                        fit = (len(req.block_ids) + self.pool.num_free) * bs - computed
+                        if fit >= 1:
+                            n = min(n, fit)
+                            need = self.pool.blocks_for_tokens(computed + n) - len(req.block_ids)
+                            break
+                    victim = self._pick_victim(scheduled)
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        n = 0
+                        break
+                if n <= 0:
+                    continue
+                if need > 0:
+                    req.block_ids.extend(self.pool.allocate(need))
+            seqs.append(ScheduledSeq(req, computed, n, computed + n == total))
             scheduled.add(req.request_id)
             budget -= n
         return budget
@@ -195,14 +202,19 @@ class Scheduler:
     def update(self, plan: BatchPlan, result: StepResult, now: float) -> list[Request]:
         """Apply an executed plan at time ``now``; return the requests that finished."""
         finished: list[Request] = []
+        cache = self.cache
+        bs = self.block_size
+        nodes_of = self._nodes
+        sampled = result.sampled
+        running = RequestState.RUNNING
         for s in plan.seqs:
             req = s.request
-            if req.state is not RequestState.RUNNING:
+            if req.state is not running:
                 continue  # aborted while the step ran
             req.num_computed_tokens += s.num_new_tokens
             reason = None
             if s.sample:
-                token = result.sampled[req.request_id]
+                token = sampled[req.request_id]
                 req.output_token_ids.append(token)
                 if req.first_token_s is None:
                     req.first_token_s = now
@@ -210,8 +222,10 @@ class Scheduler:
                 if req.sampling.logprobs is not None and req.request_id in result.logprobs:
                     req.output_logprobs.append(result.logprobs[req.request_id])
                 reason = self._stop_reason(req, token)
-            if self.cache is not None:
-                self._cache_full_blocks(req)
+            if cache is not None:
+                nodes = nodes_of.get(req.request_id)
+                if nodes is None or req.num_computed_tokens // bs > len(nodes):
+                    self._cache_full_blocks(req)
             if reason is not None:
                 self._release(req)
                 req.state = RequestState.FINISHED
@@ -219,13 +233,13 @@ class Scheduler:
                 req.finish_s = now
                 finished.append(req)
         if finished:
-            self.running = [r for r in self.running if r.state is RequestState.RUNNING]
+            self.running = [r for r in self.running if r.state is running]
         return finished
 
     @staticmethod
     def _stop_reason(req: Request, token: int) -> str | None:
         sp = req.sampling
-        if token in sp.stop_token_ids or (
+        if (sp.stop_token_ids and token in sp.stop_token_ids) or (
             not sp.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id
         ):
             return "stop"

@@ -62,9 +62,13 @@ class ModelSpec:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{f}: must be a positive integer, got {v!r} (model {self.name!r})")
         if self.dtype_bytes not in (1, 2, 4):
-            raise ValueError(f"dtype_bytes: must be 1, 2 or 4, got {self.dtype_bytes!r} (model {self.name!r})")
+            raise ValueError(
+                f"dtype_bytes: must be 1, 2 or 4, got {self.dtype_bytes!r} (model {self.name!r})"
+            )
         if self.arch not in ARCHS:
-            raise ValueError(f"arch: must be one of {', '.join(ARCHS)}, got {self.arch!r} (model {self.name!r})")
+            raise ValueError(
+                f"arch: must be one of {', '.join(ARCHS)}, got {self.arch!r} (model {self.name!r})"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads: {self.num_kv_heads} does not divide num_heads {self.num_heads} (model {self.name!r})"
@@ -211,7 +215,9 @@ class LinkSpec:
 
     def __post_init__(self) -> None:
         if not self.bandwidth_bytes_s > 0:
-            raise ValueError(f"bandwidth_bytes_s: must be > 0, got {self.bandwidth_bytes_s!r} (link {self.name!r})")
+            raise ValueError(
+                f"bandwidth_bytes_s: must be > 0, got {self.bandwidth_bytes_s!r} (link {self.name!r})"
+            )
         if self.latency_s < 0:
             raise ValueError(f"latency_s: must be >= 0, got {self.latency_s!r} (link {self.name!r})")
 
@@ -219,8 +225,15 @@ class LinkSpec:
 LINKS: dict[str, LinkSpec] = {
     lk.name: lk
     for lk in [
-        LinkSpec("nvlink", 300e9, 8e-6, "A100 NVLink3: 600 GB/s bidirectional per GPU -> 300 GB/s per direction"),
-        LinkSpec("nvlink4", 450e9, 8e-6, "H100/H200 NVLink4: 900 GB/s bidirectional per GPU -> 450 GB/s per direction"),
+        LinkSpec(
+            "nvlink", 300e9, 8e-6, "A100 NVLink3: 600 GB/s bidirectional per GPU -> 300 GB/s per direction"
+        ),
+        LinkSpec(
+            "nvlink4",
+            450e9,
+            8e-6,
+            "H100/H200 NVLink4: 900 GB/s bidirectional per GPU -> 450 GB/s per direction",
+        ),
         LinkSpec("pcie4", 25e9, 10e-6, "PCIe 4.0 x16: 32 GB/s per direction nominal, ~25 GB/s achieved"),
         LinkSpec("pcie5", 50e9, 10e-6, "PCIe 5.0 x16: 64 GB/s per direction nominal, ~50 GB/s achieved"),
         LinkSpec("net-100g", 12.5e9, 10e-6, "100 Gb/s NIC (RDMA): 12.5 GB/s"),
@@ -297,7 +310,9 @@ class HardwareSpec:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"hardware: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+            raise ValueError(
+                f"hardware: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            )
         d = dict(data)
         link = d.get("tp_link")
         if isinstance(link, str):

@@ -57,6 +57,34 @@ class _HashCoefficients:
 _COEF = _HashCoefficients()
 
 
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64_int(x: int) -> int:
+    """Pure-Python twin of :func:`_splitmix64` (same bits), for hashing one or two blocks cheaply."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _few_block_hashes(tokens, block_size: int, start_block: int, prev_hash: int, n_full: int) -> list[int]:
+    pos = _COEF.positions(block_size).tolist()
+    blk = _COEF.blocks(n_full).tolist()
+    out = []
+    h = prev_hash
+    for b in range(start_block, n_full):
+        chunk = tokens[b * block_size : (b + 1) * block_size]
+        if isinstance(chunk, np.ndarray):
+            chunk = chunk.tolist()
+        acc = 0
+        for t, c in zip(chunk, pos):
+            acc += t * c
+        h = (h + _splitmix64_int(acc & _M64) * blk[b]) & _M64
+        out.append(h)
+    return out
+
+
 def prefix_block_hashes(
     tokens: Sequence[int] | np.ndarray,
     block_size: int,
@@ -73,6 +101,8 @@ def prefix_block_hashes(
     n_full = len(tokens) // block_size if end_block is None else end_block
     if n_full <= start_block:
         return []
+    if n_full - start_block <= 2:
+        return _few_block_hashes(tokens, block_size, start_block, prev_hash, n_full)
     arr = np.asarray(tokens[start_block * block_size : n_full * block_size], dtype=np.int64)
     blocks = arr.astype(np.uint64).reshape(-1, block_size)
     content = _splitmix64((blocks * _COEF.positions(block_size)).sum(axis=1, dtype=np.uint64))
@@ -90,12 +120,31 @@ def request_block_hashes(request, block_size: int, num_tokens: int) -> list[int]
     have = len(cached)
     if want > have:
         n_prompt = request.num_prompt_tokens
+        prev = cached[-1] if have else 0
         if want * block_size <= n_prompt:
-            toks = request.prompt_token_ids
+            cached.extend(prefix_block_hashes(request.prompt_token_ids, block_size, have, prev, want))
         else:
-            toks = request.token_ids(0, want * block_size)
-        cached.extend(prefix_block_hashes(toks, block_size, have, cached[-1] if have else 0, want))
+            # only the blocks past ``have`` are read: pad the front so block indices line up
+            lo = have * block_size
+            toks = _Offset(request.token_ids(lo, want * block_size), lo)
+            cached.extend(prefix_block_hashes(toks, block_size, have, prev, want))
     return cached if want == len(cached) else cached[:want]
+
+
+class _Offset:
+    """A token list that starts at position ``offset`` (reads below it are never made)."""
+
+    __slots__ = ("tokens", "offset")
+
+    def __init__(self, tokens: list[int], offset: int) -> None:
+        self.tokens = tokens
+        self.offset = offset
+
+    def __len__(self) -> int:
+        return self.offset + len(self.tokens)
+
+    def __getitem__(self, s: slice):
+        return self.tokens[s.start - self.offset : s.stop - self.offset]
 
 
 class RadixNode:

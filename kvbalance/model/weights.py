@@ -200,6 +200,7 @@ def cache_dir(name: str = SMOLLM2_NAME) -> Path:
 
 def _export_smollm2(target: Path) -> None:
     """Dequantise the GGUF with transformers and save it as a HF directory (atomically)."""
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf_path()
@@ -209,7 +210,14 @@ def _export_smollm2(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        model.save_pretrained(str(tmp))
+        # save_pretrained refuses GGUF-loaded models; the dequantised tensors are plain floats.
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if cfg.get("tie_word_embeddings"):
+            sd.pop("lm_head.weight", None)
+        save_file(sd, str(tmp / "model.safetensors"))
         tokenizer.save_pretrained(str(tmp))
         os.replace(tmp, target)
     except BaseException:

@@ -15,6 +15,7 @@ import numpy as np
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 MAX_PMF_SUPPORT = 1 << 22  # largest support enumerated for an exact pmf
+_EXPECT_CHUNK = 1 << 21  # grid cells evaluated at once by JointLengths.expect
 
 
 def _check_len(name: str, value: object, minimum: int = 1) -> int:
@@ -175,7 +176,10 @@ class LogNormal(LengthDistribution):
             edges = self._cdf(np.arange(self.min_len, self.max_len, dtype=np.float64) + 0.5)
             cdf = np.concatenate([edges, [1.0]])
             p = np.diff(cdf, prepend=0.0)
-            self._cache["pmf"] = (v, np.maximum(p, 0.0))
+            keep = (
+                p > 0
+            )  # drop values whose mass underflows to exactly 0 (exact in float, and keeps expect fast)
+            self._cache["pmf"] = (v[keep], p[keep])
         return self._cache["pmf"]
 
     def mean(self) -> float:
@@ -245,18 +249,15 @@ class JointLengths:
         return self._apply_cap(s, o)
 
     def expect(self, g: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> float:
-        """E[g(s, o)] for a vectorised ``g`` over the capped pair."""
+        """E[g(s, o)] over the capped pair; ``g`` must broadcast (numpy arithmetic does)."""
         sv, sp = self.input.pmf()
         ov, op = self.output.pmf()
+        rows = max(1, _EXPECT_CHUNK // len(ov))  # input values per chunk of the (input x output) grid
         total = 0.0
-        if len(sv) <= len(ov):  # loop over the smaller support, vectorise over the larger
-            for s, p in zip(sv, sp):
-                ss, oo = self._apply_cap(np.full(len(ov), s, dtype=np.int64), ov)
-                total += p * float(np.dot(np.asarray(g(ss, oo), dtype=np.float64), op))
-        else:
-            for o, p in zip(ov, op):
-                ss, oo = self._apply_cap(sv, np.full(len(sv), o, dtype=np.int64))
-                total += p * float(np.dot(np.asarray(g(ss, oo), dtype=np.float64), sp))
+        for i in range(0, len(sv), rows):
+            s, o = self._apply_cap(sv[i : i + rows, None], ov[None, :])
+            vals = np.broadcast_to(np.asarray(g(s, o), dtype=np.float64), (len(s), len(ov)))
+            total += float(sp[i : i + rows] @ vals @ op)
         return total
 
     def mean_input(self) -> float:

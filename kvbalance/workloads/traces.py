@@ -31,11 +31,14 @@ class TraceRecord:
 class _Line:
     """Error context for one line of one file."""
 
+    __slots__ = ("path", "lineno")
+
     def __init__(self, path: Path, lineno: int) -> None:
-        self.where = f"{path}:{lineno}"
+        self.path = path
+        self.lineno = lineno
 
     def error(self, what: str) -> ValueError:
-        return ValueError(f"{self.where}: {what}")
+        return ValueError(f"{self.path}:{self.lineno}: {what}")
 
     def int_field(self, name: str, raw: Any, minimum: int) -> int:
         value: int | None = None
@@ -47,7 +50,7 @@ class _Line:
             value = int(raw)
         elif isinstance(raw, str):
             try:
-                value = int(raw.strip())
+                value = int(raw)
             except ValueError:
                 value = None
         if value is None:
@@ -72,6 +75,8 @@ class _Line:
             raw = raw.replace(";", " ").split()
         if not isinstance(raw, list):
             raise self.error(f"{name}: expected a list of integers, got {raw!r}")
+        if all(type(h) is int for h in raw) and (not raw or min(raw) >= 0):
+            return tuple(raw)  # the common case, checked in one pass
         return tuple(self.int_field(f"{name}[{i}]", h, 0) for i, h in enumerate(raw))
 
 

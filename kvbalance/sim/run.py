@@ -1,0 +1,215 @@
+"""One simulated serving run: config -> workload -> instance on the cost model -> metrics and files.
+
+``SimulateConfig`` is the typed config of ``kvbalance simulate`` (YAML keys = field names);
+``run_simulation`` is what the CLI and the experiments call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvbalance.engine import Instance
+from kvbalance.executor.sim import SimExecutor
+from kvbalance.metrics.summary import summarize, write_requests_csv, write_summary_json
+from kvbalance.metrics.timeline import Timeline
+from kvbalance.perf.cost import CostModel, activation_reserve_bytes, kv_capacity_tokens
+from kvbalance.request import Request
+from kvbalance.scheduler import SchedulerConfig
+from kvbalance.sim.loop import SimRun, simulate_instance
+from kvbalance.specs import get_gpu, get_model
+from kvbalance.workloads.presets import build_requests
+
+
+class SimulateConfig(BaseModel):
+    """Everything a simulated run depends on. Unknown keys are an error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "llama-2-7b"
+    gpu: str = "a100-80gb"
+    tp: int = Field(1, ge=1)
+    workload: str = "sharegpt"
+    rate: float = 8.0  # requests/s; inf = all at time 0
+    num_requests: int | None = Field(1000, ge=1)
+    arrival: Literal["poisson", "gamma", "constant"] = "poisson"
+    cv: float = Field(1.0, gt=0)
+    policy: Literal["sarathi", "vllm"] = "sarathi"
+    chunk_size: int = Field(512, ge=1)  # sarathi: token budget per step; vllm: ignored (whole prompts)
+    max_num_seqs: int = Field(256, ge=1)
+    block_size: int = Field(16, ge=1)
+    kv_tokens: int | None = Field(None, ge=1)  # overrides the capacity derived from GPU memory
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    enable_prefix_caching: bool = True
+    max_context: int | None = Field(None, ge=1)  # defaults to the model's
+    seed: int = 0
+    ttft_slo_s: float | None = Field(None, gt=0)
+    tpot_slo_s: float | None = Field(None, gt=0)
+    time_scale: float = Field(1.0, gt=0)  # multiplies trace arrival times
+
+    @field_validator("rate")
+    @classmethod
+    def _rate_positive(cls, v: float) -> float:
+        if not (v > 0):
+            raise ValueError("must be > 0 (or inf)")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, v: str) -> str:
+        get_model(v)
+        return v
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, v: str) -> str:
+        get_gpu(v)
+        return v
+
+
+def config_error_message(err) -> str:
+    """One line naming the field(s) of a pydantic ValidationError."""
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        parts.append(f"{loc}: {msg}")
+    return "; ".join(parts)
+
+
+@dataclass
+class SimulationResult:
+    config: SimulateConfig
+    summary: dict
+    run: SimRun
+    timeline: Timeline
+    instance: Instance
+
+    @property
+    def requests(self) -> list[Request]:
+        return self.run.requests
+
+
+def build_instance(cfg: SimulateConfig) -> tuple[Instance, CostModel]:
+    model = get_model(cfg.model)
+    cost = CostModel(model, cfg.gpu, cfg.tp)
+    max_context = min(cfg.max_context or model.max_context, model.max_context)
+    budget = cfg.chunk_size if cfg.policy == "sarathi" else max(cfg.chunk_size, max_context)
+    if cfg.kv_tokens is not None:
+        kv_tokens = cfg.kv_tokens
+    else:
+        reserve = activation_reserve_bytes(model, cfg.tp, budget, cfg.max_num_seqs)
+        kv_tokens = kv_capacity_tokens(model, cfg.gpu, cfg.tp, cfg.gpu_memory_utilization, reserve)
+    num_blocks = kv_tokens // cfg.block_size
+    if num_blocks < 1:
+        raise ValueError(f"kv_tokens: {kv_tokens} is less than one block of {cfg.block_size} tokens")
+    sched = SchedulerConfig(
+        policy=cfg.policy,
+        max_num_batched_tokens=budget,
+        max_num_seqs=cfg.max_num_seqs,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+    )
+    inst = Instance(
+        SimExecutor(cost),
+        num_blocks=num_blocks,
+        block_size=cfg.block_size,
+        scheduler_config=sched,
+        max_context=max_context,
+    )
+    return inst, cost
+
+
+def run_simulation(
+    cfg: SimulateConfig,
+    *,
+    out_dir: str | Path | None = None,
+    progress: bool = False,
+    requests: list[Request] | None = None,
+    report: bool = True,
+) -> SimulationResult:
+    inst, _ = build_instance(cfg)
+    if requests is None:
+        requests = build_requests(
+            cfg.workload,
+            cfg.num_requests,
+            cfg.rate,
+            cfg.seed,
+            inst.max_context,
+            arrival=cfg.arrival,
+            cv=cfg.cv,
+            time_scale=cfg.time_scale,
+        )
+    timeline = Timeline(inst.name)
+    sched = inst.scheduler
+    cap = inst.kv_capacity_tokens
+
+    def on_step(driver, outcome, now):
+        timeline.record(
+            outcome.start_s,
+            sched.num_running,
+            sched.num_waiting,
+            sched.kv_used_tokens,
+            cap,
+            outcome.plan.num_tokens,
+            outcome.result.duration_s,
+        )
+
+    bar = None
+    on_finish = None
+    if progress:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(
+            TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
+        )
+        task = bar.add_task("sim", total=len(requests))
+        done = [0]
+
+        def on_finish(req):
+            done[0] += 1
+            if done[0] % 50 == 0 or done[0] == len(requests):
+                bar.update(task, completed=done[0])
+
+        bar.start()
+    try:
+        run = simulate_instance(inst, requests, on_step=on_step, on_finish=on_finish)
+    finally:
+        if bar is not None:
+            bar.stop()
+    summary = summarize(
+        run.requests,
+        kv_capacity_tokens=cap,
+        timeline=timeline,
+        ttft_slo_s=cfg.ttft_slo_s,
+        tpot_slo_s=cfg.tpot_slo_s,
+        prefix_hit_tokens=sched.prefix_hit_tokens,
+        prompt_tokens_total=sched.admitted_tokens,
+        preemptions=sched.num_preemptions,
+        extra={
+            "model": cfg.model,
+            "gpu": cfg.gpu,
+            "tp": cfg.tp,
+            "workload": cfg.workload,
+            "rate": cfg.rate if math.isfinite(cfg.rate) else "inf",
+            "policy": cfg.policy,
+            "seed": cfg.seed,
+            "num_steps": run.num_steps,
+        },
+    )
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        write_summary_json(out / "summary.json", summary)
+        write_requests_csv(out / "requests.csv", run.requests)
+        timeline.to_csv(out / "timeline.csv", max_rows=20_000)
+        if report:
+            from kvbalance.metrics.report import write_report_png
+
+            write_report_png(
+                out / "report.png", run.requests, timeline, f"{cfg.model} on {cfg.gpu} x{cfg.tp}, {cfg.workload}"
+            )
+    return SimulationResult(cfg, summary, run, timeline, inst)

@@ -1,0 +1,262 @@
+"""The PyTorch executor matches transformers' Llama token for token over the paged KV cache.
+
+Plans are built by hand (no scheduler): whole prefills, chunked prefills mixed with other
+sequences' decodes, a prefix hit on shared physical blocks, and a preemption that recomputes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvbalance.executor.base import BatchPlan, KVTransfer, ScheduledSeq
+from kvbalance.executor.torch import TorchExecutor
+from kvbalance.model.llama import LlamaConfig, rope_inv_freq
+from kvbalance.model.weights import native_to_hf, random_weights
+from kvbalance.request import Request, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+BLOCK = 16
+PROMPT_LENS = [5, 17, 33, 64, 100]
+NUM_OUT = 8
+ATOL = 1e-4
+
+TINY = LlamaConfig(
+    name="tiny-test",
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=160,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_context=1024,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+TINY_LLAMA3 = LlamaConfig(
+    **{
+        **TINY.to_dict(),
+        "name": "tiny-llama3",
+        "tie_word_embeddings": True,
+        "qkv_bias": True,
+        "o_bias": True,
+        "rope_theta": 500000.0,
+        "max_context": 256,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    }
+)
+
+
+def hf_model_for(config: LlamaConfig, state_dict: dict) -> torch.nn.Module:
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf_config()))
+    missing, unexpected = hf.load_state_dict(native_to_hf(state_dict, config), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf.eval()
+
+
+class Blocks:
+    """Hands out physical blocks in a shuffled order so block tables are never the identity."""
+
+    def __init__(self, num_blocks: int, seed: int = 0) -> None:
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+
+    def take(self, n: int) -> list[int]:
+        out, self.free = self.free[:n], self.free[n:]
+        return out
+
+
+def ensure_blocks(req: Request, blocks: Blocks, upto: int) -> None:
+    need = -(-upto // BLOCK) - len(req.block_ids)
+    if need > 0:
+        req.block_ids.extend(blocks.take(need))
+
+
+def step(ex: TorchExecutor, reqs: list[Request], blocks: Blocks, chunk: int | None, logits: dict) -> None:
+    """One hand-built step: every request computes min(chunk, missing) tokens, decodes listed first."""
+    seqs = []
+    for r in reqs:
+        n = r.num_tokens - r.num_computed_tokens
+        if chunk is not None:
+            n = min(n, chunk)
+        ensure_blocks(r, blocks, r.num_computed_tokens + n)
+        seqs.append(ScheduledSeq(r, r.num_computed_tokens, n, r.num_computed_tokens + n == r.num_tokens))
+    seqs.sort(key=lambda s: s.is_prefill)
+    result = ex.execute(BatchPlan(seqs, BLOCK))
+    rows = {rid: i for i, rid in enumerate(ex.last_logits_request_ids)}
+    for s in seqs:
+        r = s.request
+        r.num_computed_tokens += s.num_new_tokens
+        if s.sample:
+            logits.setdefault(r.request_id, []).append(ex.last_logits[rows[r.request_id]].clone())
+            r.output_token_ids.append(result.sampled[r.request_id])
+    assert result.duration_s > 0 and result.breakdown.compute_s > 0
+
+
+def hf_reference(hf, prompt: list[int], num_out: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens from ``generate`` and the logits that chose each of them."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])  # explicit mask: token 0 (the pad id) may occur in a prompt
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_out, do_sample=False)
+        tokens = out[0, len(prompt) :].tolist()
+        logits = hf(out[:, :-1]).logits[0, len(prompt) - 1 :]
+    return tokens, logits
+
+
+def make_prompts(lens: list[int], vocab: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def check_against_hf(hf, reqs: list[Request], logits: dict) -> None:
+    for r in reqs:
+        ref_tokens, ref_logits = hf_reference(hf, list(r.prompt_token_ids), r.num_output_tokens)
+        assert r.output_token_ids == ref_tokens, r.request_id
+        ours = torch.stack(logits[r.request_id])
+        torch.testing.assert_close(ours, ref_logits, atol=ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module", params=[TINY, TINY_LLAMA3], ids=lambda c: c.name)
+def setup(request):
+    config = request.param
+    sd = random_weights(config, seed=0)
+    return config, sd, hf_model_for(config, sd)
+
+
+def new_requests(config: LlamaConfig, lens: list[int] = PROMPT_LENS) -> list[Request]:
+    return [Request(f"r{i}", p, max_tokens=NUM_OUT) for i, p in enumerate(make_prompts(lens, config.vocab_size))]
+
+
+def test_unchunked_prefill_then_decodes_match_hf(setup):
+    config, sd, hf = setup
+    ex = TorchExecutor(config, sd, num_blocks=128, block_size=BLOCK)
+    reqs, blocks, logits = new_requests(config), Blocks(128), {}
+    for _ in range(NUM_OUT):
+        step(ex, reqs, blocks, None, logits)
+    check_against_hf(hf, reqs, logits)
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunked_prefill_mixed_with_decodes_matches_hf(setup, chunk):
+    config, sd, hf = setup
+    ex = TorchExecutor(config, sd, num_blocks=128, block_size=BLOCK)
+    pending, blocks, logits = new_requests(config), Blocks(128, seed=chunk), {}
+    running: list[Request] = []
+    while pending or any(r.num_output_tokens < NUM_OUT for r in running):
+        if pending:  # admit one request per step, so its chunks share steps with others' decodes
+            running.append(pending.pop())
+        active = [r for r in running if r.num_output_tokens < NUM_OUT]
+        step(ex, active, blocks, chunk, logits)
+    check_against_hf(hf, running, logits)
+
+
+def test_prefix_hit_on_shared_blocks_matches_hf(setup):
+    config, sd, hf = setup
+    ex = TorchExecutor(config, sd, num_blocks=64, block_size=BLOCK)
+    blocks, logits = Blocks(64), {}
+    prefix, tail_a, tail_b = make_prompts([40, 9, 21], config.vocab_size, seed=5)
+    a = Request("a", prefix + tail_a, max_tokens=NUM_OUT)
+    step(ex, [a], blocks, None, logits)
+    shared = 2 * BLOCK  # B reuses A's first two full blocks; only its own tokens are computed
+    b = Request("b", prefix + tail_b, max_tokens=NUM_OUT)
+    b.block_ids = a.block_ids[:2]
+    b.num_computed_tokens = b.num_cached_tokens = shared
+    while b.num_output_tokens < NUM_OUT or a.num_output_tokens < NUM_OUT:
+        step(ex, [r for r in (a, b) if r.num_output_tokens < NUM_OUT], blocks, None, logits)
+    assert b.block_ids[:2] == a.block_ids[:2]
+    check_against_hf(hf, [a, b], logits)
+
+
+def test_preempted_sequence_recomputes_into_new_blocks(setup):
+    config, sd, hf = setup
+    ex = TorchExecutor(config, sd, num_blocks=128, block_size=BLOCK)
+    reqs, blocks, logits = new_requests(config, [23, 50, 70]), Blocks(128, seed=3), {}
+    for _ in range(4):
+        step(ex, reqs, blocks, None, logits)
+    victim = reqs[1]
+    old = victim.block_ids
+    ex.write_blocks(old, torch.randn_like(ex.read_blocks(old)))  # the freed blocks get reused by others
+    victim.block_ids, victim.num_computed_tokens = [], 0
+    victim.num_preemptions += 1
+    while any(r.num_output_tokens < NUM_OUT for r in reqs):
+        step(ex, [r for r in reqs if r.num_output_tokens < NUM_OUT], blocks, 32, logits)
+    assert not set(victim.block_ids) & set(old)
+    check_against_hf(hf, reqs, logits)
+
+
+def test_llama3_rope_frequencies_match_hf():
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = transformers.LlamaConfig(**TINY_LLAMA3.to_hf_config())
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    torch.testing.assert_close(rope_inv_freq(TINY_LLAMA3), ref)
+
+
+def test_block_copy_read_write_roundtrip():
+    ex = TorchExecutor(TINY, random_weights(TINY), num_blocks=8, block_size=BLOCK)
+    blob = torch.randn_like(ex.read_blocks([1, 2]))
+    ex.write_blocks([1, 2], blob)
+    ex.copy_blocks([1, 2], [5, 6])
+    torch.testing.assert_close(ex.read_blocks([6, 5]), blob.flip(2))
+    assert ex.kv_bytes_per_block == blob[:, :, 0].numel() * 4
+    with pytest.raises(ValueError, match="block_ids"):
+        ex.read_blocks([8])
+
+
+def test_seeded_sampling_and_logprobs_through_executor():
+    ex = TorchExecutor(TINY, random_weights(TINY), num_blocks=16, block_size=BLOCK)
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=20, seed=7, logprobs=3)
+    r = Request("s", list(range(10)), params)
+    r.block_ids = [0]
+    res = ex.execute(BatchPlan([ScheduledSeq(r, 0, 10, True)], BLOCK))
+    lp = res.logprobs["s"]
+    assert lp.token_id == res.sampled["s"] and len(lp.top_ids) == 3 and lp.logprob <= 0
+
+
+def test_bad_plans_name_the_field():
+    ex = TorchExecutor(TINY, random_weights(TINY), num_blocks=4, block_size=BLOCK)
+    r = Request("x", list(range(20)))
+    r.block_ids = [0]
+    with pytest.raises(ValueError, match="block_ids"):
+        ex.execute(BatchPlan([ScheduledSeq(r, 0, 20, True)], BLOCK))
+    with pytest.raises(ValueError, match="block_size"):
+        ex.execute(BatchPlan([ScheduledSeq(r, 0, 4, False)], 32))
+    with pytest.raises(ValueError, match="kv_loads"):
+        ex.execute(BatchPlan([], BLOCK, kv_loads=[KVTransfer("x", [0], 16, "load")]))
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers_from_gguf():
+    from kvbalance.model.weights import load_smollm2, smollm2_gguf_path
+
+    loaded = load_smollm2()
+    gguf = smollm2_gguf_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    hf.eval()
+    tok = loaded.tokenizer
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there"]
+    ex = TorchExecutor(loaded.config, loaded.state_dict, num_blocks=64, block_size=BLOCK)
+    reqs = [Request(f"s{i}", tok(t)["input_ids"], max_tokens=NUM_OUT) for i, t in enumerate(texts)]
+    blocks, logits = Blocks(64), {}
+    for _ in range(NUM_OUT):
+        step(ex, reqs, blocks, 4, logits)  # chunked: 4-token prefill chunks mixed with decodes
+    while any(r.num_output_tokens < NUM_OUT for r in reqs):
+        step(ex, [r for r in reqs if r.num_output_tokens < NUM_OUT], blocks, 4, logits)
+    for r in reqs:
+        ref_tokens, ref_logits = hf_reference(hf, list(r.prompt_token_ids), NUM_OUT)
+        assert r.output_token_ids == ref_tokens
+        torch.testing.assert_close(torch.stack(logits[r.request_id]), ref_logits, atol=1e-3, rtol=0)
