@@ -150,7 +150,16 @@ def cmd_cost(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
     else:
-        for k in ("model", "gpu", "tp", "step_time_s", "compute_time_s", "memory_time_s", "overhead_s", "comm_s"):
+        for k in (
+            "model",
+            "gpu",
+            "tp",
+            "step_time_s",
+            "compute_time_s",
+            "memory_time_s",
+            "overhead_s",
+            "comm_s",
+        ):
             if k in report:
                 print(f"{k:>16}: {report[k]}")
     return 0
@@ -160,7 +169,9 @@ def cmd_cost(args) -> int:
 
 
 def _add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over the real engine (extra: server, torch)")
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server over the real engine (extra: server, torch)"
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -222,11 +233,12 @@ def cmd_bench(args) -> int:
 
 # -- main -------------------------------------------------------------------------------------------
 
-_EXTRA = {}  # name -> (add_parser, command); filled by modules that plug in below
+# name -> (add_parser(subparsers), command(args) -> exit code); each module below has register(_EXTRA)
+_EXTRA: dict = {}
 
 
 def _plugins() -> None:
-    for mod in ("kvbalance.theory.cli", "kvbalance.experiments_cli", "kvbalance.profile"):
+    for mod in ("kvbalance.theory.cli", "kvbalance.reproduce", "kvbalance.profile"):
         try:
             m = __import__(mod, fromlist=["register"])
         except ModuleNotFoundError as e:

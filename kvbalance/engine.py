@@ -3,6 +3,11 @@
 ``step(now)`` plans and executes one batch; ``complete(outcome, now)`` applies its result at the
 time the step ends (``now + duration`` in simulation, the wall clock for real). The same object
 runs under the discrete-event simulator and under the real engine loop.
+
+With ``elastic=ElasticConfig(...)`` the instance lends its prefill activation reserve to the KV pool
+during decode-only periods and reclaims it before prefills (``kvcache/elastic.py``), or, in static
+mode, keeps it in the pool and fails with ``"oom"`` when a prefill no longer fits. Without it the
+step path is unchanged.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbalance.executor.base import BatchPlan, Executor, StepResult
-from kvbalance.kvcache.blocks import BlockPool
+from kvbalance.kvcache.blocks import BlockPool, ElasticBlockPool
+from kvbalance.kvcache.elastic import OOM, ElasticConfig, ElasticReserve
 from kvbalance.kvcache.prefix import RadixCache
 from kvbalance.request import Request, RequestState
 from kvbalance.scheduler import Scheduler, SchedulerConfig
@@ -33,16 +39,34 @@ class Instance:
         scheduler_config: SchedulerConfig | None = None,
         max_context: int = 1 << 30,
         name: str = "instance-0",
+        elastic: ElasticConfig | None = None,
     ) -> None:
         self.name = name
         self.executor = executor
-        self.pool = BlockPool(num_blocks, block_size)
+        if elastic is None:
+            self.pool = BlockPool(num_blocks, block_size)
+        elif elastic.mode == "elastic":  # the reserve region: blocks [num_blocks, num_blocks + E), detached
+            self.pool = ElasticBlockPool(num_blocks, block_size, elastic.reserve_blocks)
+        else:  # static overcommit: the region is in the pool for good
+            self.pool = BlockPool(num_blocks + elastic.reserve_blocks, block_size)
         self.config = scheduler_config or SchedulerConfig()
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_caching else None
         self.scheduler = Scheduler(self.config, self.pool, self.cache)
         self.max_context = max_context
         self.num_steps = 0
         self.busy_s = 0.0
+        # a request must fit the pool it can always count on (lent blocks may be reclaimed)
+        self.max_request_blocks = (
+            num_blocks if elastic is not None and elastic.mode == "elastic" else self.pool.num_blocks
+        )
+        self.elastic = (
+            ElasticReserve(elastic, self.pool, self.scheduler, self.cache, num_blocks)
+            if elastic is not None
+            else None
+        )
+        self.failed = False  # static overcommit ran out of activation memory (CUDA OOM)
+        self.failure_reason: str | None = None
+        self._pending_s = 0.0  # modelled lend/reclaim latency not yet charged to a step
 
     # -- admission ----------------------------------------------------------------
     @property
@@ -50,13 +74,15 @@ class Instance:
         return self.pool.capacity_tokens
 
     def rejection_reason(self, req: Request) -> str | None:
+        if self.failed:
+            return OOM
         need = req.num_prompt_tokens + req.max_tokens
         if need > self.max_context:
             return (
                 f"context_length: prompt ({req.num_prompt_tokens}) + max_tokens ({req.max_tokens}) = {need} "
                 f"exceeds the model context ({self.max_context})"
             )
-        if self.pool.blocks_for_tokens(req.max_total_tokens) > self.pool.num_blocks:
+        if self.pool.blocks_for_tokens(req.max_total_tokens) > self.max_request_blocks:
             return (
                 f"kv_capacity: needs {req.max_total_tokens} KV tokens, more than the whole cache "
                 f"({self.kv_capacity_tokens} tokens) can ever hold"
@@ -79,16 +105,40 @@ class Instance:
 
     # -- stepping -----------------------------------------------------------------
     def step(self, now: float) -> StepOutcome | None:
+        elastic = self.elastic
+        if elastic is not None:
+            if self.failed:
+                return None
+            self._pending_s += elastic.before_step(now)
         plan = self.scheduler.schedule(now)
         if plan.is_empty:
             return None
-        result = self.executor.execute(plan)
+        if elastic is not None:
+            if not elastic.fits(plan):
+                self._fail(OOM, now)
+                return None
+            result = self.executor.execute(plan)
+            if self._pending_s:
+                result.duration_s += self._pending_s
+                result.breakdown.overhead_s += self._pending_s
+                self._pending_s = 0.0
+        else:
+            result = self.executor.execute(plan)
         self.num_steps += 1
         self.busy_s += result.duration_s
         return StepOutcome(plan, result, now)
 
     def complete(self, outcome: StepOutcome, now: float) -> list[Request]:
         return self.scheduler.update(outcome.plan, outcome.result, now)
+
+    def _fail(self, reason: str, now: float) -> None:
+        """The instance is dead (e.g. CUDA OOM): reject everything it holds with ``reason``."""
+        self.failed = True
+        self.failure_reason = reason
+        sched = self.scheduler
+        for req in [*sched.running, *sched.waiting]:
+            sched.finish_request(req, reason, now, state=RequestState.REJECTED)
+            req.reject_reason = reason
 
     def abort(self, req: Request, now: float) -> None:
         self.scheduler.abort(req, now)

@@ -94,7 +94,9 @@ class LLMEngine:
         if kv_cache_tokens < block_size:
             raise ValueError(f"kv_cache_tokens: must be >= block_size ({block_size}), got {kv_cache_tokens}")
         try:
-            torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+            torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
+                dtype
+            ]
         except KeyError:
             raise ValueError(f"dtype: must be float32, float16 or bfloat16, got {dtype!r}") from None
         loaded = load_model(model, seed=seed)
@@ -114,7 +116,11 @@ class LLMEngine:
         )
         max_ctx = min(max_model_len or self.config.max_context, self.config.max_context)
         self.instance = Instance(
-            self.executor, num_blocks=num_blocks, block_size=block_size, scheduler_config=sched, max_context=max_ctx
+            self.executor,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            scheduler_config=sched,
+            max_context=max_ctx,
         )
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.requests: dict[str, Request] = {}
@@ -136,7 +142,9 @@ class LLMEngine:
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
         if bad:
-            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+            raise ValueError(
+                f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})"
+            )
         return ids
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
@@ -160,7 +168,9 @@ class LLMEngine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request_id: {rid!r} is already in use")
-        req = Request(rid, ids, params or SamplingParams(), arrival_s=self.now(), eos_token_id=self.eos_token_id)
+        req = Request(
+            rid, ids, params or SamplingParams(), arrival_s=self.now(), eos_token_id=self.eos_token_id
+        )
         if self.instance.add_request(req, self.now()):
             self.requests[rid] = req
             self._detok[rid] = _Detok()
@@ -182,7 +192,9 @@ class LLMEngine:
             return []
         finished = {r.request_id for r in self.instance.complete(outcome, self.now())}
         res = outcome.result
-        self.step_log.append((outcome.plan.num_tokens, len(outcome.plan.seqs), res.duration_s, res.breakdown.compute_s))
+        self.step_log.append(
+            (outcome.plan.num_tokens, len(outcome.plan.seqs), res.duration_s, res.breakdown.compute_s)
+        )
         outputs: list[RequestOutput] = []
         for s in outcome.plan.seqs:
             if not s.sample:
@@ -199,7 +211,9 @@ class LLMEngine:
                     delta = self._apply_stop_strings(req, detok, delta)
             done = req.is_finished or req.request_id in finished
             outputs.append(
-                RequestOutput(req.request_id, [token] if token is not None else [], delta, done, req.finish_reason, req)
+                RequestOutput(
+                    req.request_id, [token] if token is not None else [], delta, done, req.finish_reason, req
+                )
             )
             if done:
                 self.requests.pop(req.request_id, None)
@@ -271,7 +285,9 @@ class LLM:
         ids = [self.engine.chat_prompt(m) for m in conversations]
         return self._run(ids, [sampling_params or SamplingParams()] * len(ids), use_progress)
 
-    def _run(self, ids: list[list[int]], params: list[SamplingParams], use_progress: bool) -> list[CompletionOutput]:
+    def _run(
+        self, ids: list[list[int]], params: list[SamplingParams], use_progress: bool
+    ) -> list[CompletionOutput]:
         eng = self.engine
         reqs = [eng.add_request(p, sp) for p, sp in zip(ids, params)]
         texts: dict[str, str] = {}
@@ -297,7 +313,9 @@ class LLM:
             text = texts.get(r.request_id)
             if text is None:
                 text = (
-                    eng.tokenizer.decode(r.output_token_ids, skip_special_tokens=True) if eng.tokenizer is not None else ""
+                    eng.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
+                    if eng.tokenizer is not None
+                    else ""
                 )
             eng._detok.pop(r.request_id, None)
             results.append(

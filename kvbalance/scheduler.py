@@ -12,7 +12,9 @@ hits and recompute after preemption share one code path (vLLM v1's view). Two po
 When a running request cannot grow, the newest running request is preempted (its blocks freed,
 its computed tokens reset; its full blocks stay in the prefix cache) and later resumes by
 recompute. The scheduler speaks requests, tokens and blocks only and emits a :class:`BatchPlan`;
-it never imports an executor.
+it never imports an executor. For the elastic KV reserve (``kvcache/elastic.py``) it exposes
+``admission_open`` (closed while the prefill activation reserve is lent to the KV pool: only
+decodes run), ``has_prefill_work`` and ``preempt``.
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ class Scheduler:
         self.block_size = pool.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._nodes: dict[str, list[RadixNode]] = {}  # request id -> locked cache nodes (its first blocks)
+        # request id -> (deepest locked cache node, blocks cached): its first blocks live in the prefix cache
+        self._paths: dict[str, tuple[RadixNode, int]] = {}
         self._watermark_blocks = int(config.watermark * pool.num_blocks)
+        self.admission_open = True  # False while the elastic reserve is lent: no new prefills
         # counters
         self.num_preemptions = 0
         self.admitted_tokens = 0  # tokens that needed KV at admission (prompt, or prompt + output on resume)
@@ -89,16 +93,22 @@ class Scheduler:
     def schedule(self, now: float) -> BatchPlan:
         plan = BatchPlan(block_size=self.block_size)
         if self.config.policy == "vllm":
-            if self.waiting:
+            if self.waiting and self.admission_open:
                 self._admit(plan, self.config.max_num_batched_tokens, now, whole_prompts=True)
                 if plan.seqs:
                     return plan
             self._schedule_running(plan, budget=1 << 62)
         else:
             budget = self._schedule_running(plan, self.config.max_num_batched_tokens)
-            if budget > 0:
+            if budget > 0 and self.admission_open:
                 self._admit(plan, budget, now, whole_prompts=False)
         return plan
+
+    def has_prefill_work(self) -> bool:
+        """Whether the next step could compute prompt tokens (a request waits or a running one is mid-prompt)."""
+        if self.waiting:
+            return True
+        return any(r._num_prompt + len(r.output_token_ids) - r.num_computed_tokens > 1 for r in self.running)
 
     def _available_blocks(self) -> int:
         return self.pool.num_free + (self.cache.evictable_blocks if self.cache is not None else 0)
@@ -164,28 +174,30 @@ class Scheduler:
         bs = self.block_size
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            nodes: list[RadixNode] = []
+            node, hit = None, 0
             if self.cache is not None:
-                nodes = self.cache.match_prefix(request_block_hashes(req, bs, req.num_tokens - 1))
-            cached = len(nodes) * bs
+                node, hit = self.cache.match_prefix(request_block_hashes(req, bs, req.num_tokens - 1))
+            cached = hit * bs
             n = req.num_tokens - cached
             if whole_prompts:
                 if n > budget and plan.seqs:
                     break
             else:
                 n = min(n, budget)
-            need = self.pool.blocks_for_tokens(cached + n) - len(nodes)
-            unlocked_hits = sum(1 for node in nodes if node.lock_ref == 0)
+            need = self.pool.blocks_for_tokens(cached + n) - hit
+            unlocked_hits = self.cache.unlocked_blocks_on_path(node) if hit else 0
             if need + self._watermark_blocks > self._available_blocks() - unlocked_hits:
                 break  # FCFS: the head waits until its first chunk fits
             self.waiting.popleft()
-            if nodes:
-                self.cache.lock(nodes)
-                self.pool.incref([node.block_id for node in nodes])
+            hit_blocks: list[int] = []
+            if hit:
+                self.cache.lock(node)
+                hit_blocks = self.cache.blocks_of(node)
+                self.pool.incref(hit_blocks)
+                self._paths[req.request_id] = (node, hit)
             if not self._ensure_free(need):  # cannot happen: availability was checked above
                 raise RuntimeError("block accounting: admission check passed but allocation failed")
-            req.block_ids = [node.block_id for node in nodes] + self.pool.allocate(need)
-            self._nodes[req.request_id] = nodes
+            req.block_ids = hit_blocks + self.pool.allocate(need)
             req.num_computed_tokens = cached
             req.num_cached_tokens = cached
             req.prefix_hit_tokens += cached
@@ -204,7 +216,7 @@ class Scheduler:
         finished: list[Request] = []
         cache = self.cache
         bs = self.block_size
-        nodes_of = self._nodes
+        paths = self._paths
         sampled = result.sampled
         running = RequestState.RUNNING
         for s in plan.seqs:
@@ -223,8 +235,8 @@ class Scheduler:
                     req.output_logprobs.append(result.logprobs[req.request_id])
                 reason = self._stop_reason(req, token)
             if cache is not None:
-                nodes = nodes_of.get(req.request_id)
-                if nodes is None or req.num_computed_tokens // bs > len(nodes):
+                path = paths.get(req.request_id)
+                if req.num_computed_tokens // bs > (0 if path is None else path[1]):
                     self._cache_full_blocks(req)
             if reason is not None:
                 self._release(req)
@@ -248,27 +260,27 @@ class Scheduler:
         return None
 
     def _cache_full_blocks(self, req: Request) -> None:
-        nodes = self._nodes.setdefault(req.request_id, [])
+        node, have = self._paths.get(req.request_id) or (self.cache.root, 0)
         full = req.num_computed_tokens // self.block_size
-        have = len(nodes)
         if full <= have:
             return
         hashes = request_block_hashes(req, self.block_size, full * self.block_size)
-        new = self.cache.insert(hashes, req.block_ids, start=have)
-        for i, node in enumerate(new, start=have):
-            own = req.block_ids[i]
-            if node.block_id != own:  # computed concurrently by another request: share its block
-                self.pool.incref((node.block_id,))
-                self.pool.free((own,))
-                req.block_ids[i] = node.block_id
-        self.cache.lock(new)
-        nodes.extend(new)
+        node, cached = self.cache.extend(node, have, hashes, req.block_ids)
+        table = req.block_ids
+        if table[have:full] != cached:
+            for i, b in enumerate(cached, start=have):
+                own = table[i]
+                if b != own:  # computed concurrently by another request: share its block
+                    self.pool.incref((b,))
+                    self.pool.free((own,))
+                    table[i] = b
+        self._paths[req.request_id] = (node, full)
 
     # -- releasing --------------------------------------------------------------
     def _release(self, req: Request) -> None:
-        nodes = self._nodes.pop(req.request_id, None)
-        if nodes and self.cache is not None:
-            self.cache.unlock(nodes)
+        path = self._paths.pop(req.request_id, None)
+        if path is not None:
+            self.cache.unlock(path[0])
         self.pool.free(req.block_ids)
         req.block_ids = []
 
@@ -280,6 +292,12 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.appendleft(req)
         self.num_preemptions += 1
+
+    def preempt(self, req: Request) -> None:
+        """Preempt a running request from outside (it frees its blocks and resumes later by recompute)."""
+        if req.state is not RequestState.RUNNING:
+            raise ValueError(f"req: {req.request_id} is {req.state.value}, not running")
+        self._preempt(req)
 
     def finish_request(self, req: Request, reason: str, now: float, state=RequestState.FINISHED) -> None:
         """End a request from outside (stop string matched, client abort)."""
@@ -313,14 +331,14 @@ class Scheduler:
                 raise AssertionError(f"{req}: fewer blocks than computed tokens need")
             for b in req.block_ids:
                 refs[b] = refs.get(b, 0) + 1
-            nodes = self._nodes.get(req.request_id, [])
-            if [n.block_id for n in nodes] != req.block_ids[: len(nodes)]:
-                raise AssertionError(f"{req}: locked cache nodes and block table disagree")
+            path = self._paths.get(req.request_id)
+            if path is not None and self.cache.blocks_of(path[0]) != req.block_ids[: path[1]]:
+                raise AssertionError(f"{req}: locked cache path and block table disagree")
         for req in self.waiting:
             if req.block_ids:
                 raise AssertionError(f"{req}: waiting but holds blocks")
-        cached = {n.block_id for n in self.cache._nodes.values()} if self.cache is not None else set()
-        for b in range(self.pool.num_blocks):
+        cached = self.cache.all_block_ids() if self.cache is not None else set()
+        for b in range(self.pool.num_total_blocks):
             expect = refs.get(b, 0) + (1 if b in cached else 0)
             if self.pool.ref_count(b) != expect:
                 raise AssertionError(f"block {b}: ref count {self.pool.ref_count(b)} != holders {expect}")

@@ -13,7 +13,7 @@ import torch
 
 from kvbalance.executor.base import BatchPlan, KVTransfer, ScheduledSeq
 from kvbalance.executor.torch import TorchExecutor
-from kvbalance.model.llama import LlamaConfig, rope_inv_freq
+from kvbalance.model.llama import LlamaConfig, build_step_metadata, rope_inv_freq
 from kvbalance.model.weights import native_to_hf, random_weights
 from kvbalance.request import Request, SamplingParams
 
@@ -105,8 +105,18 @@ def step(ex: TorchExecutor, reqs: list[Request], blocks: Blocks, chunk: int | No
     assert result.duration_s > 0 and result.breakdown.compute_s > 0
 
 
+_HF_CACHE: dict = {}
+
+
 def hf_reference(hf, prompt: list[int], num_out: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens from ``generate`` and the logits that chose each of them."""
+    """Greedy tokens from ``generate`` and the logits that chose each of them (memoised per model)."""
+    key = (id(hf), tuple(prompt), num_out)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = _hf_reference(hf, prompt, num_out)
+    return _HF_CACHE[key]
+
+
+def _hf_reference(hf, prompt: list[int], num_out: int) -> tuple[list[int], torch.Tensor]:
     with torch.no_grad():
         ids = torch.tensor([prompt])  # explicit mask: token 0 (the pad id) may occur in a prompt
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_out, do_sample=False)
@@ -136,7 +146,9 @@ def setup(request):
 
 
 def new_requests(config: LlamaConfig, lens: list[int] = PROMPT_LENS) -> list[Request]:
-    return [Request(f"r{i}", p, max_tokens=NUM_OUT) for i, p in enumerate(make_prompts(lens, config.vocab_size))]
+    return [
+        Request(f"r{i}", p, max_tokens=NUM_OUT) for i, p in enumerate(make_prompts(lens, config.vocab_size))
+    ]
 
 
 def test_unchunked_prefill_then_decodes_match_hf(setup):
@@ -160,6 +172,27 @@ def test_chunked_prefill_mixed_with_decodes_matches_hf(setup, chunk):
         active = [r for r in running if r.num_output_tokens < NUM_OUT]
         step(ex, active, blocks, chunk, logits)
     check_against_hf(hf, running, logits)
+
+
+def test_many_decodes_of_varied_context_split_into_groups_match_hf(setup):
+    config, sd, hf = setup
+    lens = [3, 7, 12, 20, 31, 45, 60, 90, 130, 170, 220, 300]
+    ex = TorchExecutor(config, sd, num_blocks=256, block_size=BLOCK)
+    pending, blocks, logits = new_requests(config, lens), Blocks(256, seed=11), {}
+    running: list[Request] = []
+    while pending or any(r.num_output_tokens < NUM_OUT for r in running):
+        running.extend(pending[:4])  # batches of arrivals: 64-token chunks beside grouped decodes
+        del pending[:4]
+        step(ex, [r for r in running if r.num_output_tokens < NUM_OUT], blocks, 64, logits)
+    check_against_hf(hf, running, logits)
+
+
+def test_decodes_split_by_context_length():
+    meta = build_step_metadata(
+        [5] * 6 + [400] * 6, [1] * 12, [list(range(26))] * 12, list(range(12)), BLOCK, 2, "cpu", torch.float32
+    )
+    assert sorted(g.batch_size for g in meta.groups) == [6, 6]
+    assert {g.ctx_blocks for g in meta.groups} == {1, 26}
 
 
 def test_prefix_hit_on_shared_blocks_matches_hf(setup):
@@ -243,7 +276,9 @@ def test_smollm2_matches_transformers_from_gguf():
 
     loaded = load_smollm2()
     gguf = smollm2_gguf_path()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     hf.eval()

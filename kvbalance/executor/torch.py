@@ -3,8 +3,9 @@
 Each step flattens the plan's sequences (decodes and prefill chunks alike) into one forward,
 samples for the sequences that finish their known tokens, and reports the measured wall time
 split into host-side preparation + sampling (``overhead_s``) and the forward (``compute_s``).
-The KV cache is one tensor ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; the
-block helpers move whole blocks for KV transfer and migration.
+The KV cache is one tensor ``[layers, 2, kv_heads, num_blocks, block_size, head_dim]`` (head-major
+for fast gathers); the block helpers move whole blocks, as ``[layers, 2, n, block_size, kv_heads,
+head_dim]``, for KV transfer and migration.
 """
 
 from __future__ import annotations
@@ -84,8 +85,11 @@ class TorchExecutor:
         with torch.inference_mode():
             self.model = build_model(self.config, weights, self.device, dtype)
             c = self.config
+            # head-major per layer (see ``Attention``); the block helpers speak [blocks, block_size, kvh, hd]
             self.kv_cache = torch.zeros(
-                (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim), device=self.device, dtype=dtype
+                (c.num_layers, 2, c.num_kv_heads, num_blocks, block_size, c.head_dim),
+                device=self.device,
+                dtype=dtype,
             )
         self.model.bind_kv_cache(list(self.kv_cache[:, 0]), list(self.kv_cache[:, 1]))
         self.generator = torch.Generator(device=self.device).manual_seed(0)  # unseeded random sampling
@@ -142,7 +146,11 @@ class TorchExecutor:
             self._sync()
             t1 = time.perf_counter()
             hidden = self.model(input_ids, meta)
-            logits = self.model.compute_logits(hidden.index_select(0, meta.logits_indices)) if sample_rows else None
+            logits = (
+                self.model.compute_logits(hidden.index_select(0, meta.logits_indices))
+                if sample_rows
+                else None
+            )
             self._sync()
             t2 = time.perf_counter()
             sampled, logprobs = {}, {}
@@ -162,7 +170,9 @@ class TorchExecutor:
         if not loads and not saves:
             return [], []
         if self.transfer_handler is None:
-            raise ValueError("kv_loads/kv_saves: plan has KV transfers but the executor has no transfer_handler")
+            raise ValueError(
+                "kv_loads/kv_saves: plan has KV transfers but the executor has no transfer_handler"
+            )
         for t in (*loads, *saves):
             self.transfer_handler(self, t)
         return [t.request_id for t in loads], [t.request_id for t in saves]
@@ -179,17 +189,21 @@ class TorchExecutor:
         if len(src) != len(dst):
             raise ValueError(f"dst: {len(dst)} blocks for {len(src)} source blocks")
         with torch.inference_mode():
-            self.kv_cache.index_copy_(2, self._index(dst), self.kv_cache.index_select(2, self._index(src)))
+            self.kv_cache.index_copy_(3, self._index(dst), self.kv_cache.index_select(3, self._index(src)))
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         """A copy of the blocks: ``[layers, 2, len(block_ids), block_size, kv_heads, head_dim]``."""
         with torch.inference_mode():
-            return self.kv_cache.index_select(2, self._index(block_ids))
+            return (
+                self.kv_cache.index_select(3, self._index(block_ids)).permute(0, 1, 3, 4, 2, 5).contiguous()
+            )
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Write blocks read by :meth:`read_blocks` (possibly on another executor/device) into ``block_ids``."""
-        expected = (*self.kv_cache.shape[:2], len(block_ids), *self.kv_cache.shape[3:])
+        c = self.config
+        expected = (c.num_layers, 2, len(block_ids), self.block_size, c.num_kv_heads, c.head_dim)
         if tuple(blocks.shape) != expected:
             raise ValueError(f"blocks: shape {tuple(blocks.shape)}, expected {expected}")
         with torch.inference_mode():
-            self.kv_cache.index_copy_(2, self._index(block_ids), blocks.to(self.device, self.dtype))
+            head_major = blocks.to(self.device, self.dtype).permute(0, 1, 4, 2, 3, 5)
+            self.kv_cache.index_copy_(3, self._index(block_ids), head_major)

@@ -1,14 +1,17 @@
-"""RadixCache: a token trie at block granularity over the BlockPool, with lock refs and LRU eviction.
+"""RadixCache: a compressed token trie at block granularity over the BlockPool, with lock refs and LRU eviction.
 
-Every node is one full KV block, keyed by the hash of the whole token prefix that ends with that
-block (a chained prefix hash), so a lookup walks a prompt's blocks with one dict probe each and a
-node's key also names its ancestors. Like SGLang's radix cache, a node has a ``lock_ref`` (requests
-using it) and a ``last_access`` tick; sizes are two counters (evictable and protected blocks) moved
-on lock/unlock, and eviction pops unlocked leaves from a heap ordered by last access, pushing a
-parent when it becomes a leaf, so nothing ever scans the tree.
+A block is named by the chained hash of the whole token prefix that ends with it, so comparing two
+prompts block by block is comparing two lists of ints, and one hash also names all its ancestors.
+A node holds a run of blocks (their prefix hashes and block ids); children are keyed by the hash of
+their first block. Like SGLang's radix cache, a node has a ``lock_ref`` (requests whose prefix runs
+through it) and a ``last_access`` tick; a partial match splits a node; sizes are two counters
+(evictable and protected blocks) moved on lock/unlock; eviction trims the tails of least recently
+used unlocked leaves popped from a heap, pushing a parent when it becomes a leaf — nothing scans the
+tree, and per-request work is per node, not per block (lists are sliced, not walked).
 
-The cache holds one pool reference on each node's block; a request using a node holds another and
-locks the node, so for every node ``ref_count(block) == 1 + lock_ref`` (checked by the tests).
+The cache holds one pool reference on each cached block; every request whose prefix uses a node
+holds another and one ``lock_ref`` on it (a request locks the whole path from the root), so for
+every cached block ``ref_count(block) == 1 + lock_ref(node)`` (checked by the tests).
 """
 
 from __future__ import annotations
@@ -148,18 +151,38 @@ class _Offset:
 
 
 class RadixNode:
-    __slots__ = ("key", "block_id", "parent", "num_children", "lock_ref", "last_access")
+    __slots__ = ("key", "hashes", "block_ids", "parent", "children", "lock_ref", "last_access", "alive")
 
-    def __init__(self, key, block_id: int, parent) -> None:
-        self.key = key
-        self.block_id = block_id
+    def __init__(self, hashes: list[int], block_ids: list[int], parent) -> None:
+        self.key = hashes[0] if hashes else None
+        self.hashes = hashes
+        self.block_ids = block_ids
         self.parent = parent
-        self.num_children = 0
+        self.children: dict[int, RadixNode] = {}
         self.lock_ref = 0
         self.last_access = 0
+        self.alive = True
 
     def __repr__(self) -> str:
-        return f"RadixNode(block={self.block_id}, lock_ref={self.lock_ref}, children={self.num_children})"
+        return f"RadixNode(blocks={len(self.block_ids)}, lock_ref={self.lock_ref}, children={len(self.children)})"
+
+
+def _common_prefix(node_hashes: list[int], hashes: Sequence[int], i: int) -> int:
+    """Blocks of ``node_hashes`` equal to ``hashes[i:]`` from the start (>= 1 when the first matched).
+
+    Prefix hashes are chained, so equality is monotone along the run: binary search the boundary.
+    """
+    m = min(len(node_hashes), len(hashes) - i)
+    if node_hashes[m - 1] == hashes[i + m - 1]:
+        return m
+    lo, hi = 1, m - 1  # node_hashes[lo - 1] matches, node_hashes[hi] does not
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if node_hashes[mid] == hashes[i + mid]:
+            lo = mid + 1
+        else:
+            hi = mid - 1
+    return lo
 
 
 class RadixCache:
@@ -168,175 +191,256 @@ class RadixCache:
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self.block_size = pool.block_size
-        self.root = RadixNode(None, -1, None)
-        self.root.lock_ref = 1  # never evicted
-        self._nodes: dict[int, RadixNode] = {}
+        self.root = RadixNode([], [], None)
+        self.root.lock_ref = 1  # never evicted, never counted
         self._heap: list[tuple[int, int, RadixNode]] = []
         self._tick = 0
         self._seq = 0
-        self.evictable_blocks = 0  # nodes with lock_ref == 0 (evictable now or once their children go)
-        self.protected_blocks = 0  # nodes locked by at least one request
+        self._num_nodes = 0
+        self.evictable_blocks = 0  # cached blocks in nodes with lock_ref == 0
+        self.protected_blocks = 0  # cached blocks in nodes some request has locked
         self.num_evicted = 0
 
     # -- sizes ------------------------------------------------------------------
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._nodes)
+        return self.evictable_blocks + self.protected_blocks
 
     def _push(self, node: RadixNode) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (node.last_access, self._seq, node))
-        if len(self._heap) > 2 * len(self._nodes) + 1024:
-            self._compact_heap()
+        if len(self._heap) > 4 * self._num_nodes + 1024:
+            self._heap = [
+                (n.last_access, i, n)
+                for i, n in enumerate(self.iter_nodes())
+                if n.lock_ref == 0 and not n.children
+            ]
+            heapq.heapify(self._heap)
+            self._seq = len(self._heap)
 
-    def _compact_heap(self) -> None:
-        self._heap = [
-            (n.last_access, i, n)
-            for i, n in enumerate(self._nodes.values())
-            if n.lock_ref == 0 and n.num_children == 0
-        ]
-        heapq.heapify(self._heap)
-        self._seq = len(self._heap)
+    def iter_nodes(self):
+        """All nodes but the root (a traversal: for checks and rebuilds, never on a hot path)."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
 
-    # -- lookup -----------------------------------------------------------------
-    def match_prefix(self, hashes: Sequence[int]) -> list[RadixNode]:
-        """Nodes of the longest cached prefix of ``hashes`` (one per block), touched as recently used."""
-        nodes = self._nodes
-        out: list[RadixNode] = []
-        for h in hashes:
-            node = nodes.get(h)
-            if node is None:
-                break
-            out.append(node)
-        if out:
-            self._tick += 1
-            tick = self._tick
-            for node in out:
-                node.last_access = tick
-            last = out[-1]
-            if last.lock_ref == 0 and last.num_children == 0:
-                self._push(last)
+    # -- paths ------------------------------------------------------------------
+    def blocks_of(self, node: RadixNode) -> list[int]:
+        """Block ids from the root down to the end of ``node``."""
+        parts = []
+        while node is not self.root:
+            parts.append(node.block_ids)
+            node = node.parent
+        out: list[int] = []
+        for p in reversed(parts):
+            out.extend(p)
         return out
 
-    def lock(self, nodes: Sequence[RadixNode]) -> None:
-        for node in nodes:
-            if node.lock_ref == 0:
-                self.evictable_blocks -= 1
-                self.protected_blocks += 1
-            node.lock_ref += 1
+    def unlocked_blocks_on_path(self, node: RadixNode) -> int:
+        n = 0
+        while node is not self.root and node.lock_ref == 0:
+            n += len(node.block_ids)
+            node = node.parent
+        return n
 
-    def unlock(self, nodes: Sequence[RadixNode]) -> None:
+    def _split(self, node: RadixNode, k: int) -> RadixNode:
+        """Cut ``node`` after its first ``k`` blocks; return the new upper part (same locks and stamp)."""
+        upper = RadixNode(node.hashes[:k], node.block_ids[:k], node.parent)
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        node.parent.children[upper.key] = upper
+        node.hashes = node.hashes[k:]
+        node.block_ids = node.block_ids[k:]
+        node.key = node.hashes[0]
+        node.parent = upper
+        upper.children[node.key] = node
+        self._num_nodes += 1
+        return upper
+
+    # -- lookup -----------------------------------------------------------------
+    def match_prefix(self, hashes: Sequence[int]) -> tuple[RadixNode, int]:
+        """Deepest node of the longest cached prefix of ``hashes`` and its length in blocks.
+
+        A match that ends inside a node splits it, so the returned node ends exactly at the match.
+        Nodes on the path are touched as recently used. Returns ``(root, 0)`` on a miss.
+        """
+        node = self.root
+        i = 0
+        n = len(hashes)
         self._tick += 1
         tick = self._tick
-        for node in reversed(nodes):
+        while i < n:
+            child = node.children.get(hashes[i])
+            if child is None:
+                break
+            k = _common_prefix(child.hashes, hashes, i)
+            if k < len(child.hashes):
+                child = self._split(child, k)
+            child.last_access = tick
+            node = child
+            i += k
+        if node is not self.root and node.lock_ref == 0 and not node.children:
+            self._push(node)
+        return node, i
+
+    def lock(self, node: RadixNode) -> None:
+        """Lock the path from the root to ``node`` (one request's use of that prefix)."""
+        root = self.root
+        while node is not root:
+            if node.lock_ref == 0:
+                n = len(node.block_ids)
+                self.evictable_blocks -= n
+                self.protected_blocks += n
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        root = self.root
+        self._tick += 1
+        tick = self._tick
+        while node is not root:
             if node.lock_ref <= 0:
                 raise RuntimeError(f"{node}: unlock of an unlocked node")
             node.lock_ref -= 1
             node.last_access = tick
             if node.lock_ref == 0:
-                self.evictable_blocks += 1
-                self.protected_blocks -= 1
-                if node.num_children == 0:
+                n = len(node.block_ids)
+                self.evictable_blocks += n
+                self.protected_blocks -= n
+                if not node.children:
                     self._push(node)
+            node = node.parent
 
     # -- insertion --------------------------------------------------------------
-    def insert(self, hashes: Sequence[int], block_ids: Sequence[int], start: int = 0) -> list[RadixNode]:
-        """Cache blocks ``[start, len(hashes))`` of a sequence; return their nodes (not locked).
+    def extend(
+        self, node: RadixNode, start: int, hashes: Sequence[int], block_ids: Sequence[int]
+    ) -> tuple[RadixNode, list[int]]:
+        """Cache blocks ``[start, len(hashes))`` below ``node`` for a caller that holds a lock on it.
 
-        ``hashes[start - 1]`` must already be cached when ``start > 0``. Where a block's prefix is
-        cached already (another request computed it), the existing node is returned and the caller
-        should switch to its block; otherwise a new node takes a pool reference on ``block_ids[i]``.
+        ``node`` ends at block ``start`` of the caller's sequence (the root when ``start == 0``).
+        Blocks whose prefix is cached already are shared; the rest are added with a pool reference
+        each. Returns the new deepest node — the caller's lock now covers the path to it — and the
+        cached block ids of ``[start, len(hashes))``: where one differs from ``block_ids``, another
+        request computed that block first and the caller should switch to the cached one.
         """
-        nodes = self._nodes
-        pool = self.pool
-        parent = self.root if start == 0 else nodes[hashes[start - 1]]
+        i = start
+        n = len(hashes)
         self._tick += 1
         tick = self._tick
-        out: list[RadixNode] = []
-        for i in range(start, len(hashes)):
-            h = hashes[i]
-            node = nodes.get(h)
-            if node is None:
-                node = RadixNode(h, block_ids[i], parent)
-                node.last_access = tick
-                pool.incref((block_ids[i],))
-                nodes[h] = node
-                parent.num_children += 1
-                self.evictable_blocks += 1
+        out: list[int] = []
+        while i < n:
+            child = node.children.get(hashes[i])
+            if child is None:
+                break
+            k = _common_prefix(child.hashes, hashes, i)
+            if k < len(child.hashes):
+                child = self._split(child, k)
+            if child.lock_ref == 0:
+                self.evictable_blocks -= len(child.block_ids)
+                self.protected_blocks += len(child.block_ids)
+            child.lock_ref += 1
+            child.last_access = tick
+            out.extend(child.block_ids)
+            node = child
+            i += k
+        if i < n:
+            new_blocks = list(block_ids[i:n])
+            self.pool.incref(new_blocks)
+            self.protected_blocks += len(new_blocks)
+            if node is not self.root and not node.children and node.lock_ref == 1:
+                node.hashes.extend(hashes[i:n])  # only the caller uses this leaf: grow it in place
+                node.block_ids.extend(new_blocks)
             else:
-                node.last_access = tick
-            out.append(node)
-            parent = node
-        if out and out[-1].lock_ref == 0 and out[-1].num_children == 0:
-            self._push(out[-1])  # its access stamp moved: the old heap entry is stale
-        return out
+                child = RadixNode(list(hashes[i:n]), new_blocks, node)
+                child.lock_ref = 1
+                node.children[child.key] = child
+                self._num_nodes += 1
+                node = child
+            node.last_access = tick
+            out.extend(new_blocks)
+        return node, out
+
+    def insert(self, hashes: Sequence[int], block_ids: Sequence[int]) -> tuple[RadixNode, list[int]]:
+        """Cache a whole sequence's blocks without keeping a lock (see :meth:`extend`)."""
+        node, out = self.extend(self.root, 0, hashes, block_ids)
+        if node is not self.root:
+            self.unlock(node)
+        return node, out
 
     # -- eviction ---------------------------------------------------------------
     def evict(self, num_blocks: int) -> int:
-        """Free up to ``num_blocks`` blocks by dropping least recently used unlocked leaves."""
+        """Free up to ``num_blocks`` blocks, trimming the tails of least recently used unlocked leaves."""
         heap = self._heap
-        nodes = self._nodes
         root = self.root
         freed = 0
         to_free: list[int] = []
         while freed < num_blocks and heap:
             stamp, _, node = heapq.heappop(heap)
-            if (
-                node.lock_ref != 0
-                or node.num_children != 0
-                or stamp != node.last_access
-                or nodes.get(node.key) is not node
-            ):
+            if not node.alive or node.lock_ref != 0 or node.children or stamp != node.last_access:
                 continue  # stale entry
-            del nodes[node.key]
-            to_free.append(node.block_id)
-            self.evictable_blocks -= 1
-            freed += 1
-            parent = node.parent
-            parent.num_children -= 1
-            if parent is not root and parent.lock_ref == 0 and parent.num_children == 0:
+            k = min(len(node.block_ids), num_blocks - freed)
+            if k == len(node.block_ids):
+                to_free.extend(node.block_ids)
+                node.alive = False
+                parent = node.parent
+                del parent.children[node.key]
+                self._num_nodes -= 1
+                if parent is not root and parent.lock_ref == 0 and not parent.children:
+                    self._seq += 1
+                    heapq.heappush(heap, (parent.last_access, self._seq, parent))
+            else:
+                to_free.extend(node.block_ids[-k:])
+                del node.block_ids[-k:]
+                del node.hashes[-k:]
                 self._seq += 1
-                heapq.heappush(heap, (parent.last_access, self._seq, parent))
+                heapq.heappush(heap, (stamp, self._seq, node))
+            self.evictable_blocks -= k
+            freed += k
         self.pool.free(to_free)
         self.num_evicted += freed
         return freed
 
     def reset(self) -> int:
-        """Drop every unlocked node (e.g. after weights change); return blocks freed."""
-        return self.evict(len(self._nodes))
+        """Drop every unlocked block (e.g. after weights change); return blocks freed."""
+        return self.evict(self.num_cached_blocks)
+
+    def all_block_ids(self) -> set[int]:
+        return {b for node in self.iter_nodes() for b in node.block_ids}
 
     # -- checks -----------------------------------------------------------------
     def check_invariants(self) -> None:
-        children: dict[int, int] = {}
-        evictable = protected = 0
-        for key, node in self._nodes.items():
-            if node.key != key:
-                raise AssertionError("node stored under a foreign key")
+        evictable = protected = nodes = 0
+        entries = {(id(n), stamp) for stamp, _, n in self._heap}
+        seen: set[int] = set()
+        for node in self.iter_nodes():
+            nodes += 1
+            if not node.alive or not node.block_ids or len(node.hashes) != len(node.block_ids):
+                raise AssertionError(f"{node}: dead, empty or ragged node in the tree")
+            if node.key != node.hashes[0] or node.parent.children.get(node.key) is not node:
+                raise AssertionError(f"{node}: stored under a foreign key")
             if node.lock_ref < 0:
                 raise AssertionError(f"{node}: negative lock_ref")
+            if node.parent is not self.root and node.parent.lock_ref < node.lock_ref:
+                raise AssertionError(f"{node}: locked more than its parent")
             if node.lock_ref == 0:
-                evictable += 1
+                evictable += len(node.block_ids)
+                if not node.children and (id(node), node.last_access) not in entries:
+                    raise AssertionError(f"{node}: evictable leaf missing from the eviction heap")
             else:
-                protected += 1
-            parent = node.parent
-            if parent is not self.root:
-                if self._nodes.get(parent.key) is not parent:
-                    raise AssertionError(f"{node}: parent not in the cache")
-                if parent.lock_ref < node.lock_ref:
-                    raise AssertionError(f"{node}: locked more than its parent")
-            children[id(parent)] = children.get(id(parent), 0) + 1
-            if self.pool.ref_count(node.block_id) != 1 + node.lock_ref:
-                raise AssertionError(
-                    f"{node}: block ref count {self.pool.ref_count(node.block_id)} != 1 + lock_ref"
-                )
-        for node in [self.root, *self._nodes.values()]:
-            if node.num_children != children.get(id(node), 0):
-                raise AssertionError(f"{node}: child count {node.num_children} is wrong")
+                protected += len(node.block_ids)
+            for b in node.block_ids:
+                if b in seen:
+                    raise AssertionError(f"block {b} cached twice")
+                seen.add(b)
+                if self.pool.ref_count(b) != 1 + node.lock_ref:
+                    raise AssertionError(
+                        f"{node}: block {b} ref count {self.pool.ref_count(b)} != 1 + lock_ref"
+                    )
         if (evictable, protected) != (self.evictable_blocks, self.protected_blocks):
             raise AssertionError(
                 f"size counters ({self.evictable_blocks}, {self.protected_blocks}) != ({evictable}, {protected})"
             )
-        entries = {(id(n), stamp) for stamp, _, n in self._heap}
-        for node in self._nodes.values():
-            if node.lock_ref == 0 and node.num_children == 0 and (id(node), node.last_access) not in entries:
-                raise AssertionError(f"{node}: evictable leaf missing from the eviction heap")
+        if nodes != self._num_nodes:
+            raise AssertionError(f"node count {self._num_nodes} != {nodes}")

@@ -49,7 +49,9 @@ class LoadedModel:
 # -- random ---------------------------------------------------------------------------------------
 
 
-def random_weights(config: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def random_weights(
+    config: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """Deterministic random weights (native names) at any shape.
 
     Matrices are N(0, 1/fan_in) so activations keep unit scale and logits stay well separated
@@ -249,7 +251,9 @@ def load_model(name_or_path: str, seed: int = 0) -> LoadedModel:
     try:
         from kvbalance.specs import get_model  # written alongside; optional until it exists
     except ImportError as e:
-        raise ValueError(f"model: {name_or_path!r} is not a directory or {SMOLLM2_NAME!r}, and no presets") from e
+        raise ValueError(
+            f"model: {name_or_path!r} is not a directory or {SMOLLM2_NAME!r}, and no presets"
+        ) from e
     spec = get_model(name_or_path)
     config = LlamaConfig.from_spec(spec)
     warnings.warn(

@@ -119,7 +119,11 @@ class ServerMetrics:
             lines: list[str] = []
             for name, help_text in self.GAUGES.items():
                 full = PREFIX + name
-                lines += [f"# HELP {full} {help_text}", f"# TYPE {full} gauge", f"{full} {_fmt(self.gauges[name])}"]
+                lines += [
+                    f"# HELP {full} {help_text}",
+                    f"# TYPE {full} gauge",
+                    f"{full} {_fmt(self.gauges[name])}",
+                ]
             for name, help_text in self.COUNTERS.items():
                 full = PREFIX + name
                 lines += [f"# HELP {full} {help_text}", f"# TYPE {full} counter"]

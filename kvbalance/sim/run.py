@@ -210,6 +210,9 @@ def run_simulation(
             from kvbalance.metrics.report import write_report_png
 
             write_report_png(
-                out / "report.png", run.requests, timeline, f"{cfg.model} on {cfg.gpu} x{cfg.tp}, {cfg.workload}"
+                out / "report.png",
+                run.requests,
+                timeline,
+                f"{cfg.model} on {cfg.gpu} x{cfg.tp}, {cfg.workload}",
             )
     return SimulationResult(cfg, summary, run, timeline, inst)

@@ -328,6 +328,34 @@ def batch_time_estimate(
     raise ValueError(f"method must be 'median' or 'trimmed_mean', got {method!r}")
 
 
+def representative_batch_time(
+    step_times: Sequence[float] | np.ndarray,
+    method: Literal["auto", "median", "trimmed_mean", "mean"] = "auto",
+    skew_tolerance: float = 0.1,
+) -> tuple[float, str]:
+    """b and the estimator that produced it, following the paper's rule for choosing one.
+
+    The paper takes the median batch time, and a 10%-trimmed mean when step times are heavy-tailed.
+    ``auto`` applies that rule with a fixed test: right skew, i.e. the mean exceeding the median by more
+    than ``skew_tolerance`` (10%), selects the trimmed mean, otherwise the median. ``mean`` (the plain
+    average, which converts a count of batch steps into seconds exactly) is offered for comparison.
+    """
+    t = np.asarray(step_times, dtype=np.float64).ravel()
+    if method == "mean":
+        batch_time_estimate(t)  # validates
+        return float(t.mean()), "mean"
+    if method in ("median", "trimmed_mean"):
+        return batch_time_estimate(t, method), method
+    if method != "auto":
+        raise ValueError(f"method must be 'auto', 'median', 'trimmed_mean' or 'mean', got {method!r}")
+    if not skew_tolerance >= 0:
+        raise ValueError(f"skew_tolerance must be >= 0, got {skew_tolerance!r}")
+    median = batch_time_estimate(t, "median")
+    if float(t.mean()) > (1 + skew_tolerance) * median:
+        return batch_time_estimate(t, "trimmed_mean"), "trimmed_mean"
+    return median, "median"
+
+
 def instances_needed(rate: float, mu: float, delta: float, headroom: float = 0.0) -> int:
     """Smallest n >= 1 with rate / n < mu (1 - delta)(1 - headroom).
 

