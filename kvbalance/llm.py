@@ -30,6 +30,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     request: Request
+    text: str = ""  # all output text so far (stop strings cut off)
 
 
 @dataclass
@@ -48,12 +49,13 @@ class CompletionOutput:
 class _Detok:
     """Incremental detokenisation with a small window (holds back incomplete UTF-8 sequences)."""
 
-    __slots__ = ("prefix_offset", "read_offset", "text")
+    __slots__ = ("prefix_offset", "read_offset", "text", "sent")
 
     def __init__(self) -> None:
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
+        self.sent = 0  # characters of ``text`` already emitted as deltas
 
     def step(self, tokenizer, ids: list[int]) -> str:
         prefix = tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
@@ -204,36 +206,59 @@ class LLMEngine:
                 continue
             token = req.output_token_ids[-1] if req.output_token_ids else None
             delta = ""
-            if self.tokenizer is not None and token is not None:
-                detok = self._detok[req.request_id]
-                delta = detok.step(self.tokenizer, req.output_token_ids)
-                if req.sampling.stop and not req.is_finished:
-                    delta = self._apply_stop_strings(req, detok, delta)
+            text = ""
+            detok = self._detok.get(req.request_id)
+            if self.tokenizer is not None and token is not None and detok is not None:
+                added = detok.step(self.tokenizer, req.output_token_ids)
+                if req.sampling.stop and added and not req.is_finished:
+                    self._apply_stop_strings(req, detok, len(added))
+                delta = self._emit(req, detok)
+                text = detok.text
             done = req.is_finished or req.request_id in finished
             outputs.append(
                 RequestOutput(
-                    req.request_id, [token] if token is not None else [], delta, done, req.finish_reason, req
+                    req.request_id,
+                    [token] if token is not None else [],
+                    delta,
+                    done,
+                    req.finish_reason,
+                    req,
+                    text,
                 )
             )
             if done:
                 self.requests.pop(req.request_id, None)
+                self._detok.pop(req.request_id, None)
         return outputs
 
-    def _apply_stop_strings(self, req: Request, detok: _Detok, delta: str) -> str:
+    @staticmethod
+    def _emit(req: Request, detok: _Detok) -> str:
+        """New text safe to send: text that could still turn out to start a stop string is held back."""
+        end = len(detok.text)
+        if req.sampling.stop and not req.is_finished:
+            text = detok.text
+            for stop in req.sampling.stop:
+                for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                    if text.endswith(stop[:k]):
+                        end = min(end, len(text) - k)
+                        break
+        end = max(end, detok.sent)
+        delta = detok.text[detok.sent : end]
+        detok.sent = end
+        return delta
+
+    def _apply_stop_strings(self, req: Request, detok: _Detok, added: int) -> None:
         text = detok.text
-        window = max(len(s) for s in req.sampling.stop) + len(delta)
+        window = max(len(s) for s in req.sampling.stop) + added
         tail_start = max(0, len(text) - window)
         cut = None
         for stop in req.sampling.stop:
             i = text.find(stop, tail_start)
             if i != -1 and (cut is None or i < cut):
                 cut = i
-        if cut is None:
-            return delta
-        kept_before = len(text) - len(delta)
-        detok.text = text[:cut]
-        self.instance.scheduler.finish_request(req, "stop", self.now())
-        return text[kept_before:cut] if cut > kept_before else ""
+        if cut is not None:
+            detok.text = text[:cut]
+            self.instance.scheduler.finish_request(req, "stop", self.now())
 
     def text_of(self, request_id: str) -> str:
         d = self._detok.get(request_id)
@@ -299,13 +324,13 @@ class LLM:
                 while eng.has_unfinished():
                     for out in eng.step():
                         if out.finished:
-                            texts[out.request_id] = eng.text_of(out.request_id)
+                            texts[out.request_id] = out.text
                             bar.advance(task)
         else:
             while eng.has_unfinished():
                 for out in eng.step():
                     if out.finished:
-                        texts[out.request_id] = eng.text_of(out.request_id)
+                        texts[out.request_id] = out.text
         results = []
         for r in reqs:
             if r.state is RequestState.REJECTED:

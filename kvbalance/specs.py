@@ -433,10 +433,24 @@ def get_model(name: str | ModelSpec) -> ModelSpec:
     return _lookup(MODELS, _MODEL_ALIASES, "model", name)
 
 
-def get_gpu(name: str | HardwareSpec) -> HardwareSpec:
-    """Preset by name (case-insensitive; "h100" means h100-sxm). A HardwareSpec passes through."""
+HARDWARE_FILE_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def get_gpu(name: str | os.PathLike | HardwareSpec) -> HardwareSpec:
+    """Preset by name (case-insensitive; "h100" means h100-sxm), or a saved spec file (``.json``/``.yaml``/
+    ``.yml``, e.g. the ``hardware.json`` that ``kvbalance profile`` fits). A HardwareSpec passes through."""
     if isinstance(name, HardwareSpec):
         return name
+    if isinstance(name, os.PathLike) or (isinstance(name, str) and name.lower().endswith(HARDWARE_FILE_SUFFIXES)):
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"gpu: no such hardware file {str(path)!r}")
+        import yaml
+
+        try:
+            return load_hardware(path)
+        except (OSError, ValueError, yaml.YAMLError) as e:  # JSONDecodeError is a ValueError
+            raise ValueError(f"gpu: cannot read hardware file {str(path)!r} ({e})") from None
     return _lookup(GPUS, _GPU_ALIASES, "gpu", name)
 
 

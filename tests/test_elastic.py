@@ -265,7 +265,9 @@ def test_static_overcommit_fails_with_oom_instead_of_crashing():
 
 def test_static_overcommit_survives_while_kv_stays_in_the_base_pool():
     act = lambda n: n * MIB  # noqa: E731
-    inst, _ = elastic_instance(base_blocks=64, reserve_blocks=8, mode="static", activation_bytes=act, budget=8)
+    inst, _ = elastic_instance(
+        base_blocks=64, reserve_blocks=8, mode="static", activation_bytes=act, budget=8
+    )
     reqs = [make_request(f"s{i}", 8, max_tokens=4, arrival_s=0.1 * i) for i in range(5)]
     simulate_instance(inst, reqs, check_invariants=True)
     assert not inst.failed and all(r.state is RequestState.FINISHED for r in reqs)

@@ -26,14 +26,18 @@ RESERVE = 10
 
 @pytest.fixture(scope="module")
 def tiny():
+    threads = torch.get_num_threads()
     config = LlamaConfig.from_spec(get_model("tiny-llama"))
-    return config, random_weights(config, seed=3)
+    yield config, random_weights(config, seed=3)
+    torch.set_num_threads(threads)  # the executors below run single-threaded (tiny GEMMs)
 
 
 def workload():
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(6, 12))] for _ in range(6)]
-    reqs = [Request(f"t{i}", p, SamplingParams(max_tokens=18, ignore_eos=True)) for i, p in enumerate(prompts)]
+    reqs = [
+        Request(f"t{i}", p, SamplingParams(max_tokens=18, ignore_eos=True)) for i, p in enumerate(prompts)
+    ]
     # three at once; the rest arrive while the first ones decode in lent blocks
     return reqs[:3], {10: reqs[3], 18: reqs[4], 30: reqs[5]}
 
@@ -64,12 +68,17 @@ def test_greedy_outputs_identical_with_and_without_lending(tiny):
 
     ref_first, ref_later = workload()
     ref = Instance(
-        TorchExecutor(config, weights, num_blocks=64, block_size=BS, num_threads=1), num_blocks=64, block_size=BS, scheduler_config=sched
+        TorchExecutor(config, weights, num_blocks=64, block_size=BS, num_threads=1),
+        num_blocks=64,
+        block_size=BS,
+        scheduler_config=sched,
     )
     ref_reqs = run(ref, ref_first, ref_later)
 
     ex = TorchExecutor(config, weights, num_blocks=BASE + RESERVE, block_size=BS, num_threads=1)
-    assert ex.num_blocks == BASE + RESERVE and BASE + RESERVE in ex.kv_cache.shape  # the region is real KV memory
+    assert (
+        ex.num_blocks == BASE + RESERVE and BASE + RESERVE in ex.kv_cache.shape
+    )  # the region is real KV memory
     elastic = ElasticConfig(reserve_blocks=RESERVE, block_bytes=ex.kv_bytes_per_block)
     inst = Instance(ex, num_blocks=BASE, block_size=BS, scheduler_config=sched, elastic=elastic)
     used_lent = []

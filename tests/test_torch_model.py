@@ -57,6 +57,15 @@ TINY_LLAMA3 = LlamaConfig(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: thread hand-offs cost more than they save (and the CI box is shared)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def hf_model_for(config: LlamaConfig, state_dict: dict) -> torch.nn.Module:
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf_config()))
     missing, unexpected = hf.load_state_dict(native_to_hf(state_dict, config), strict=False)

@@ -56,7 +56,7 @@ REPLICAS = 8
 
 # requests per saturated run (per instance for the replicas), and per queue run
 SIZES = {
-    True: {"1:1": 600, "2:1": 400, "1:2": 400, "mixed": 400, "longbench": 300, "replicas": 200, "queue": 600},
+    True: {"1:1": 600, "2:1": 300, "1:2": 300, "mixed": 300, "longbench": 200, "replicas": 300, "queue": 400},
     False: {
         "1:1": 2000,
         "2:1": 2000,
