@@ -441,7 +441,9 @@ def get_gpu(name: str | os.PathLike | HardwareSpec) -> HardwareSpec:
     ``.yml``, e.g. the ``hardware.json`` that ``kvbalance profile`` fits). A HardwareSpec passes through."""
     if isinstance(name, HardwareSpec):
         return name
-    if isinstance(name, os.PathLike) or (isinstance(name, str) and name.lower().endswith(HARDWARE_FILE_SUFFIXES)):
+    if isinstance(name, os.PathLike) or (
+        isinstance(name, str) and name.lower().endswith(HARDWARE_FILE_SUFFIXES)
+    ):
         path = Path(name)
         if not path.is_file():
             raise ValueError(f"gpu: no such hardware file {str(path)!r}")

@@ -50,7 +50,7 @@ MODES = ("chunk-8192", "chunk-32768", "elastic-32768", "static-32768")
 
 # the TTFT scenario (same in quick and full runs: it is cheap)
 NUM_BACKGROUND = 40
-BACKGROUND_PROMPT = (4000, 6000)
+BACKGROUND_PROMPT = (3000, 5000)
 BACKGROUND_OUTPUT = (256, 4096)
 NUM_LONG = 6
 LONG_PROMPT = (24_000, 26_000)
