@@ -106,7 +106,7 @@ def test_unknown_model_and_gpu_are_named(capsys):
 
 
 def test_unknown_workload_is_named(capsys):
-    assert main([*SMALL[:7], "bogus", "--rate", "1"]) != 0
+    assert main([*SMALL[:6], "bogus", *SMALL[7:], "--rate", "1"]) != 0
     assert "workload" in capsys.readouterr().err
 
 

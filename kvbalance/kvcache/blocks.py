@@ -14,6 +14,8 @@ The plain pool's hot paths are untouched.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class OutOfBlocks(RuntimeError):
     """Raised when an allocation asks for more blocks than are free."""
@@ -119,6 +121,9 @@ class ElasticBlockPool(BlockPool):
         self._attached = bytearray(b"\x01" * num_blocks) + bytearray(num_elastic)
         self._lent_free: list[int] = []  # free attached elastic blocks (a stack)
         self._lent_pos: dict[int, int] = {}  # elastic block -> its index in _lent_free
+        # called with a block count before lent blocks are handed out (e.g. the prefix cache's ``evict``), so
+        # cached prefixes in base blocks make room first and lent blocks hold live KV only when they must
+        self.evict_before_lent: Callable[[int], int] | None = None
 
     # -- sizes ------------------------------------------------------------------
     @property
@@ -145,6 +150,11 @@ class ElasticBlockPool(BlockPool):
         base_free = len(self._free)
         if n <= base_free:
             return super().allocate(n)
+        if self.evict_before_lent is not None and self._lent_free:
+            self.evict_before_lent(n - base_free)
+            base_free = len(self._free)
+            if n <= base_free:
+                return super().allocate(n)
         lent = self._lent_free
         if n > base_free + len(lent):
             raise OutOfBlocks(f"asked for {n} blocks, {base_free + len(lent)} free")

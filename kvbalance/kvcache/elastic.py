@@ -193,6 +193,8 @@ class ElasticReserve:
         self.lent = False
         self._lent_since = 0.0
         self._region = list(pool.elastic_block_ids()) if isinstance(pool, ElasticBlockPool) else []
+        if self._region and cache is not None:
+            pool.evict_before_lent = cache.evict  # idle cached prefixes give way before lent blocks are used
         # counters
         self.num_lends = 0
         self.num_reclaims = 0

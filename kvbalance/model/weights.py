@@ -229,12 +229,23 @@ def _export_smollm2(target: Path) -> None:
 
 def load_smollm2(with_tokenizer: bool = True) -> LoadedModel:
     """SmolLM2-135M-Instruct (float32, dequantised from Q4_1) as (config, state_dict, tokenizer)."""
+    from safetensors.torch import load_file, save_file
+
     target = cache_dir(SMOLLM2_NAME)
     if not (target / "config.json").is_file():
         _export_smollm2(target)
-    loaded = load_hf_dir(target, with_tokenizer=with_tokenizer)
+    native = target / "native" / "model.safetensors"  # fused layout: loading is a memory map, no copies
+    if native.is_file():
+        config = LlamaConfig.from_hf_config(json.loads((target / "config.json").read_text()))
+        tokenizer = load_tokenizer(target) if with_tokenizer else None
+        loaded = LoadedModel(config, load_file(str(native)), tokenizer, False, str(target))
+    else:
+        loaded = load_hf_dir(target, with_tokenizer=with_tokenizer)
+        native.parent.mkdir(exist_ok=True)
+        tmp = native.with_suffix(f".tmp{os.getpid()}")
+        save_file({k: v.contiguous() for k, v in loaded.state_dict.items()}, str(tmp))
+        os.replace(tmp, native)
     loaded.config.name = SMOLLM2_NAME
-    loaded.source = str(target)
     return loaded
 
 

@@ -56,12 +56,28 @@ NUM_LONG = 6
 LONG_PROMPT = (24_000, 26_000)
 LONG_OUTPUT = 64
 BURST_AT_S = 40.0
-BURST_SPREAD_S = 0.5
+BURST_GAP_S = 4.5  # one long prompt every 4.5 s: each prefill (~3-4 s) runs on its own
+
+# decode-phase pressure: background only, KV peaks above the chunk-32768 base pool
+PRESSURE_PROMPT = (7000, 7600)
+PRESSURE_OUTPUT = (1500, 2500)
+PRESSURE_COLUMNS = (
+    "mode",
+    "kv_capacity_tokens",
+    "kv_capacity_lent_tokens",
+    "kv_used_peak_tokens",
+    "preemptions",
+    "drain_preemptions",
+    "makespan_s",
+    "output_tokens_per_s",
+    "lends",
+    "reclaims",
+)
 
 # decode-only share: (label, workload, arrival, cv, rate req/s, requests quick, requests full)
 SHARE_WORKLOADS = (
     ("chat (sharegpt)", "sharegpt", "poisson", 1.0, 6.0, 300, 2000),
-    ("bursty (sharegpt, gamma cv 4)", "sharegpt", "gamma", 4.0, 6.0, 300, 2000),
+    ("bursty (sharegpt gamma cv 4)", "sharegpt", "gamma", 4.0, 6.0, 300, 2000),
     ("long-context (longbench)", "longbench", "poisson", 1.0, 0.4, 60, 300),
 )
 SHARE_CHUNK = 8192
@@ -73,17 +89,24 @@ RESERVE_CHUNKS = (2048, 4096, 8192, 16384, 32768)
 # -- the TTFT scenario ---------------------------------------------------------------------------
 
 
-def scenario_requests(seed: int = SEED) -> list[Request]:
-    """40 background requests at t=0 and 6 long prompts around BURST_AT_S (unique prompts, seeded)."""
-    rng = np.random.default_rng(seed)
+def background_requests(
+    rng: np.random.Generator, prompt: tuple[int, int], output: tuple[int, int]
+) -> list[Request]:
     reqs = []
     for i in range(NUM_BACKGROUND):
-        prompt = unique_prompt(10_000 + i, int(rng.integers(*BACKGROUND_PROMPT, endpoint=True)))
-        out = int(rng.integers(*BACKGROUND_OUTPUT, endpoint=True))
-        reqs.append(Request(f"bg{i:02d}", prompt, SamplingParams(max_tokens=out, ignore_eos=True), 0.0))
+        p = unique_prompt(10_000 + i, int(rng.integers(*prompt, endpoint=True)))
+        out = int(rng.integers(*output, endpoint=True))
+        reqs.append(Request(f"bg{i:02d}", p, SamplingParams(max_tokens=out, ignore_eos=True), 0.0))
+    return reqs
+
+
+def scenario_requests(seed: int = SEED) -> list[Request]:
+    """40 background requests at t=0 and 6 long prompts from BURST_AT_S (unique prompts, seeded)."""
+    rng = np.random.default_rng(seed)
+    reqs = background_requests(rng, BACKGROUND_PROMPT, BACKGROUND_OUTPUT)
     for i in range(NUM_LONG):
         prompt = unique_prompt(20_000 + i, int(rng.integers(*LONG_PROMPT, endpoint=True)))
-        at = BURST_AT_S + BURST_SPREAD_S * i / NUM_LONG
+        at = BURST_AT_S + BURST_GAP_S * i
         reqs.append(Request(f"long{i}", prompt, SamplingParams(max_tokens=LONG_OUTPUT, ignore_eos=True), at))
     return reqs
 
@@ -112,9 +135,9 @@ def build_mode(mode: str) -> Instance:
     )
 
 
-def run_mode(mode: str) -> tuple[dict[str, Any], dict[str, list]]:
+def run_mode(mode: str, reqs: list[Request] | None = None) -> tuple[dict[str, Any], dict[str, list]]:
     inst = build_mode(mode)
-    reqs = scenario_requests()
+    reqs = scenario_requests() if reqs is None else reqs
     trace: dict[str, list] = {"t": [], "capacity": [], "used": []}
     decode_only_s = [0.0]
 
@@ -130,7 +153,7 @@ def run_mode(mode: str) -> tuple[dict[str, Any], dict[str, list]]:
     wall = time.perf_counter() - t0
     long = [r for r in reqs if r.request_id.startswith("long")]
     ttfts = [r.first_token_s - r.arrival_s for r in long if r.first_token_s is not None]
-    ok = len(ttfts) == len(long) and not inst.failed
+    ok = bool(long) and len(ttfts) == len(long) and not inst.failed
     base = inst.elastic.base_blocks * BLOCK if inst.elastic is not None else inst.pool.capacity_tokens
     lent = base + (inst.elastic.config.reserve_blocks * BLOCK if inst.elastic is not None else 0)
     el = inst.elastic.stats() if inst.elastic is not None else {}
@@ -147,6 +170,11 @@ def run_mode(mode: str) -> tuple[dict[str, Any], dict[str, list]]:
         "completed": sum(1 for r in reqs if r.state is RequestState.FINISHED),
         "preemptions": inst.scheduler.num_preemptions,
         "makespan_s": run.makespan_s,
+        "kv_used_peak_tokens": max(trace["used"], default=0),
+        "output_tokens_per_s": sum(r.num_output_tokens for r in reqs if r.state is RequestState.FINISHED)
+        / run.makespan_s
+        if run.makespan_s
+        else None,
         "decode_only_share": decode_only_s[0] / run.makespan_s if run.makespan_s else None,
         "lends": el.get("lends"),
         "reclaims": el.get("reclaims"),
@@ -160,6 +188,16 @@ def run_mode(mode: str) -> tuple[dict[str, Any], dict[str, list]]:
     if run.unfinished:
         raise RuntimeError(f"{mode}: {len(run.unfinished)} requests neither finished nor rejected")
     return row, trace
+
+
+def pressure_rows() -> list[dict[str, Any]]:
+    """Decode-phase memory pressure, no long prompts: 40 requests whose KV outgrows the chunk-32768 pool."""
+    rows = []
+    for mode in ("chunk-8192", "chunk-32768", "elastic-32768"):
+        reqs = background_requests(np.random.default_rng(SEED + 1), PRESSURE_PROMPT, PRESSURE_OUTPUT)
+        row, _ = run_mode(mode, reqs)
+        rows.append({k: row[k] for k in PRESSURE_COLUMNS})
+    return rows
 
 
 # -- decode-only share ---------------------------------------------------------------------------
@@ -178,9 +216,21 @@ def decode_only_share(label: str, workload: str, arrival: str, cv: float, rate: 
     )
     reqs = build_requests(workload, n, rate, SEED, model.max_context, arrival=arrival, cv=cv)
     acc = {"decode": 0.0, "mixed": 0.0}
+    periods: list[float] = []  # lengths of runs of back-to-back decode-only steps (one lend each)
+    last_end = [None]
 
     def on_step(driver, outcome, now):
-        acc["mixed" if outcome.plan.num_prefill_tokens else "decode"] += outcome.result.duration_s
+        dt = outcome.result.duration_s
+        if outcome.plan.num_prefill_tokens:
+            acc["mixed"] += dt
+            last_end[0] = None
+            return
+        acc["decode"] += dt
+        if last_end[0] is not None and outcome.start_s == last_end[0]:
+            periods[-1] += dt
+        else:
+            periods.append(dt)
+        last_end[0] = now
 
     run = simulate_instance(inst, reqs, on_step=on_step)
     span = max(r.finish_s for r in reqs if r.finish_s is not None) - min(r.arrival_s for r in reqs)
@@ -197,6 +247,9 @@ def decode_only_share(label: str, workload: str, arrival: str, cv: float, rate: 
         "prefill_share": acc["mixed"] / span,
         "idle_share": max(0.0, 1.0 - busy / span),
         "decode_only_share_of_busy": acc["decode"] / busy if busy else None,
+        "decode_only_periods": len(periods),
+        "decode_only_period_median_s": statistics.median(periods) if periods else None,
+        "decode_only_period_p90_s": float(np.percentile(periods, 90)) if periods else None,
         "simulated_s": span,
     }
 
@@ -240,6 +293,7 @@ def run(out_dir: Path, quick: bool) -> dict:
     e = by_mode["elastic-32768"]
     capacity_gain = e["kv_capacity_lent_tokens"] / e["kv_capacity_tokens"] - 1
 
+    pressure = pressure_rows()
     share_rows = [
         decode_only_share(label, w, arr, cv, rate, nq if quick else nf)
         for label, w, arr, cv, rate, nq, nf in SHARE_WORKLOADS
@@ -262,13 +316,18 @@ def run(out_dir: Path, quick: bool) -> dict:
         "drain_preemptions",
         "switch_s",
     ]
-    write_table_csv(out / "ttft.csv", ttft_rows, columns)
-    write_table_csv(out / "decode_only_share.csv", share_rows)
-    write_table_csv(out / "reserve_share.csv", reserve_rows)
+    write_table_csv(out / "ttft.csv", to_json_value(ttft_rows), columns)
+    write_table_csv(out / "decode_pressure.csv", to_json_value(pressure), list(PRESSURE_COLUMNS))
+    write_table_csv(out / "decode_only_share.csv", to_json_value(share_rows))
+    write_table_csv(out / "reserve_share.csv", to_json_value(reserve_rows))
 
     plot_lines(
         out / "ttft_long_prompts.png",
-        {r["mode"]: (list(range(1, len(r["long_ttfts_s"]) + 1)), r["long_ttfts_s"]) for r in ttft_rows if r["long_ttfts_s"]},
+        {
+            r["mode"]: (list(range(1, len(r["long_ttfts_s"]) + 1)), r["long_ttfts_s"])
+            for r in ttft_rows
+            if r["long_ttfts_s"]
+        },
         "long prompt (arrival order)",
         "TTFT (s)",
         f"{MODEL} on {GPU}: TTFT of {NUM_LONG} ~25K-token prompts over {NUM_BACKGROUND} decodes",
@@ -279,7 +338,14 @@ def run(out_dir: Path, quick: bool) -> dict:
         idx = np.linspace(0, len(tr["t"]) - 1, min(len(tr["t"]), 2000)).astype(int) if tr["t"] else []
         cap_series[f"{mode} capacity"] = ([tr["t"][i] for i in idx], [tr["capacity"][i] for i in idx])
         cap_series[f"{mode} used"] = ([tr["t"][i] for i in idx], [tr["used"][i] for i in idx])
-    plot_lines(out / "kv_capacity.png", cap_series, "time (s)", "KV tokens", "KV pool: capacity and blocks in use", markers=False)
+    plot_lines(
+        out / "kv_capacity.png",
+        cap_series,
+        "time (s)",
+        "KV tokens",
+        "KV pool: capacity and blocks in use",
+        markers=False,
+    )
     plot_lines(
         out / "reserve_share.png",
         {
@@ -300,9 +366,13 @@ def run(out_dir: Path, quick: bool) -> dict:
         "model": MODEL,
         "gpu": GPU,
         "quick": quick,
-        "ttft": [{k: v for k, v in r.items() if k != "long_ttfts_s"} | {"long_ttfts_s": r["long_ttfts_s"]} for r in ttft_rows],
+        "ttft": [
+            {k: v for k, v in r.items() if k != "long_ttfts_s"} | {"long_ttfts_s": r["long_ttfts_s"]}
+            for r in ttft_rows
+        ],
         "ttft_gap_chunk_8192_vs_32768": ttft_gap,
         "elastic_capacity_gain": capacity_gain,
+        "decode_pressure": pressure,
         "decode_only_share": share_rows,
         "reserve_share": reserve_rows,
         "scenario": {

@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-time", type=float, default=None, help="b in seconds (skips measuring it)")
     p.add_argument("--b-method", choices=B_METHODS, default="auto", help="estimator of b from step times")
     p.add_argument(
-        "--b-requests", type=int, default=400, help="requests in the saturated run that measures b"
+        "--b-requests", type=int, default=500, help="requests in the saturated run that measures b"
     )
     p.add_argument("--headroom", type=float, default=0.0, help="safety fraction off mu (1 - delta)")
     p.add_argument("--ttft-slo", type=float, default=None, help="p90 TTFT objective, seconds")
@@ -194,6 +194,20 @@ def capacity(args) -> dict[str, Any]:
         **bounds,
         "b_measurement": measured,
     }
+    warnings = []
+    if bounds["binding"] != "memory":
+        warnings.append(
+            f"{bounds['binding']} binds before KV memory: the memory-bound mu overestimates this instance"
+        )
+    if measured is not None:
+        mu_sim = measured["saturation_throughput_rps"]
+        # the same planning rule with the simulator's saturation throughput in place of mu
+        report["instances_needed_measured"] = instances_needed(rate, mu_sim, delta, args.headroom)
+        if mu_sim < mu * (1 - delta):
+            warnings.append(
+                f"simulated saturation ({mu_sim:.4g} rps) is below mu (1 - delta) ({mu * (1 - delta):.4g} rps)"
+            )
+    report["warnings"] = warnings
     if args.ttft_slo is not None or args.tpot_slo is not None:
         report["slo"] = _slo_check(args, rate, n)
     return to_json_value(report)
@@ -276,6 +290,9 @@ def print_table(report: dict[str, Any]) -> None:
     if meas:
         table.add_row("mu_sim", _fmt(meas["saturation_throughput_rps"]), "saturated run's steady throughput")
         table.add_row(
+            "instances (sim)", _fmt(report.get("instances_needed_measured")), "same rule with mu_sim"
+        )
+        table.add_row(
             "b med/trim/mean",
             f"{meas['b_median_s']:.4g}/{meas['b_trimmed_mean_s']:.4g}/{meas['b_mean_s']:.4g}",
             f"step times over {meas['window_steps']} steps",
@@ -290,6 +307,8 @@ def print_table(report: dict[str, Any]) -> None:
         table.add_row("goodput", _fmt(slo["goodput_rps"]), "requests/s meeting the SLOs, all instances")
         table.add_row("meets p90 SLO", _fmt(slo["meets_p90_slo"]), "")
     Console().print(table)
+    for w in report.get("warnings") or []:
+        Console().print(f"[yellow]warning:[/yellow] {escape(w)}")
 
 
 def cmd_capacity(args) -> int:
