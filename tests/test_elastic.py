@@ -293,3 +293,15 @@ def test_bad_config_names_the_field():
         ElasticConfig(reserve_blocks=-1, block_bytes=1)
     with pytest.raises(TypeError, match="ElasticBlockPool"):
         ElasticReserve(ElasticConfig(reserve_blocks=1, block_bytes=1), BlockPool(4, BS), None, None, 4)
+
+
+def test_reproduce_scenario_static_fails_elastic_lends_and_keeps_ttft():
+    from kvbalance.reproduce import elastic as experiment
+
+    static, _ = experiment.run_mode("static-32768")
+    assert static["failed"] and static["failure"] == "oom" and static["rejected_oom"] > 0
+    el, _ = experiment.run_mode("elastic-32768")
+    assert not el["failed"] and el["completed"] == experiment.NUM_BACKGROUND + experiment.NUM_LONG
+    assert el["lends"] >= 1 and el["kv_capacity_lent_tokens"] > 1.15 * el["kv_capacity_tokens"]
+    share = experiment.reserve_share("qwen2.5-7b", 4, 32768)["reserve_share_of_kv"]
+    assert share < experiment.reserve_share("qwen2.5-7b", 1, 32768)["reserve_share_of_kv"]

@@ -36,10 +36,10 @@ def workload():
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(6, 12))] for _ in range(6)]
     reqs = [
-        Request(f"t{i}", p, SamplingParams(max_tokens=18, ignore_eos=True)) for i, p in enumerate(prompts)
+        Request(f"t{i}", p, SamplingParams(max_tokens=26, ignore_eos=True)) for i, p in enumerate(prompts)
     ]
     # three at once; the rest arrive while the first ones decode in lent blocks
-    return reqs[:3], {10: reqs[3], 18: reqs[4], 30: reqs[5]}
+    return reqs[:3], {14: reqs[3], 30: reqs[4], 44: reqs[5]}
 
 
 def run(instance: Instance, first, later, on_step=None):

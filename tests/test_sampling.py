@@ -52,7 +52,11 @@ def test_seeded_request_ignores_batch_composition():
     x = logits_rows(6, seed=3)
     mine = SampleRequest(temperature=1.0, top_p=0.9, seed=42, position=17)
     alone, _ = sample(x[2:3], [mine])
-    others = [SampleRequest(temperature=0.7, seed=None), SampleRequest(), SampleRequest(temperature=2.0, seed=5)]
+    others = [
+        SampleRequest(temperature=0.7, seed=None),
+        SampleRequest(),
+        SampleRequest(temperature=2.0, seed=5),
+    ]
     batch = torch.cat([x[0:1], x[1:2], x[2:3], x[3:4]])
     mixed, _ = sample(batch, [others[0], others[1], mine, others[2]], torch.Generator().manual_seed(9))
     assert mixed[2] == alone[0]
@@ -64,7 +68,9 @@ def test_seeded_request_ignores_batch_composition():
 def test_temperature_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     x = probs.log().repeat(4000, 1)
-    tokens, _ = sample(x, [SampleRequest(temperature=1.0) for _ in range(4000)], torch.Generator().manual_seed(0))
+    tokens, _ = sample(
+        x, [SampleRequest(temperature=1.0) for _ in range(4000)], torch.Generator().manual_seed(0)
+    )
     freq = torch.bincount(torch.tensor(tokens), minlength=3).float() / 4000
     assert torch.allclose(freq, probs, atol=0.03)
 

@@ -1,7 +1,9 @@
 """Reproduce the Elastic KV Cache paper: lending the prefill activation reserve vs chunk size vs static overcommit.
 
-Qwen2.5-7B on one A100-40GB (simulated on the cost model). 40 background requests (prompts of 4-6K tokens,
-outputs of 256-4096) decode when a burst of 6 prompts of about 25K tokens arrives. Four modes:
+Qwen2.5-7B on one A100-40GB (simulated on the cost model). 40 background requests (prompts of 3-5K tokens,
+outputs of 256-4096, all at t=0) are decoding when 6 prompts of about 25K tokens arrive, one every 4.5 s
+from t=40 s (each prefill, ~3 s, runs on its own, so TTFT measures prefill compute rather than queueing
+behind another long prompt). Four modes:
 
 * ``chunk-8192`` / ``chunk-32768``: chunked prefill with that token budget; the KV pool is what is left after
   weights and the activation reserve of that chunk size (``elastic_reserve.activation_reserve_bytes``);
@@ -10,10 +12,12 @@ outputs of 256-4096) decode when a burst of 6 prompts of about 25K tokens arrive
 * ``static-32768``: chunk 32768 with the reserve given to the KV pool for good: it runs until a prefill
   chunk needs activation memory that KV pages (live or cached) have taken, then fails with CUDA OOM.
 
-Reported: median/max TTFT of the long prompts, KV capacity (base and with the reserve lent), failures.
-Then the share of time in which only decodes run (when lending is possible) on chat (ShareGPT), bursty
-(gamma arrivals, cv 4) and long-context (LongBench) workloads, and the reserve's share of KV memory for
-7B TP1, 7B TP4 and 32B TP4 across chunk sizes. Same seed -> same numbers.
+Reported: median/max TTFT of the long prompts, KV capacity (base and with the reserve lent), failures
+(``rows`` in results.json). A second scenario without long prompts (``decode_pressure``) lets the 40
+requests' KV outgrow the chunk-32768 pool: the lent reserve absorbs it where the base pool preempts.
+Then the share of time in which only decodes run (when lending is possible), with the length of those
+periods, on chat (ShareGPT), bursty (gamma arrivals, cv 4) and long-context (LongBench) workloads, and the
+reserve's share of KV memory for 7B TP1, 7B TP4 and 32B TP4 across chunk sizes. Same seed -> same numbers.
 """
 
 from __future__ import annotations
@@ -190,14 +194,14 @@ def run_mode(mode: str, reqs: list[Request] | None = None) -> tuple[dict[str, An
     return row, trace
 
 
-def pressure_rows() -> list[dict[str, Any]]:
+def pressure_rows() -> tuple[list[dict[str, Any]], dict[str, dict[str, list]]]:
     """Decode-phase memory pressure, no long prompts: 40 requests whose KV outgrows the chunk-32768 pool."""
-    rows = []
+    rows, traces = [], {}
     for mode in ("chunk-8192", "chunk-32768", "elastic-32768"):
         reqs = background_requests(np.random.default_rng(SEED + 1), PRESSURE_PROMPT, PRESSURE_OUTPUT)
-        row, _ = run_mode(mode, reqs)
+        row, traces[mode] = run_mode(mode, reqs)
         rows.append({k: row[k] for k in PRESSURE_COLUMNS})
-    return rows
+    return rows, traces
 
 
 # -- decode-only share ---------------------------------------------------------------------------
@@ -293,7 +297,7 @@ def run(out_dir: Path, quick: bool) -> dict:
     e = by_mode["elastic-32768"]
     capacity_gain = e["kv_capacity_lent_tokens"] / e["kv_capacity_tokens"] - 1
 
-    pressure = pressure_rows()
+    pressure, pressure_traces = pressure_rows()
     share_rows = [
         decode_only_share(label, w, arr, cv, rate, nq if quick else nf)
         for label, w, arr, cv, rate, nq, nf in SHARE_WORKLOADS
@@ -333,17 +337,23 @@ def run(out_dir: Path, quick: bool) -> dict:
         f"{MODEL} on {GPU}: TTFT of {NUM_LONG} ~25K-token prompts over {NUM_BACKGROUND} decodes",
     )
     cap_series = {}
-    for mode in ("elastic-32768", "static-32768", "chunk-32768"):
-        tr = traces[mode]
-        idx = np.linspace(0, len(tr["t"]) - 1, min(len(tr["t"]), 2000)).astype(int) if tr["t"] else []
-        cap_series[f"{mode} capacity"] = ([tr["t"][i] for i in idx], [tr["capacity"][i] for i in idx])
-        cap_series[f"{mode} used"] = ([tr["t"][i] for i in idx], [tr["used"][i] for i in idx])
+    for label, tr in (
+        ("burst: elastic-32768 capacity", traces["elastic-32768"]),
+        ("pressure: elastic-32768 capacity", pressure_traces["elastic-32768"]),
+    ):
+        cap_series[label] = (tr["t"], tr["capacity"])
+    for label, tr in (
+        ("burst: static-32768 in use", traces["static-32768"]),
+        ("pressure: elastic-32768 in use", pressure_traces["elastic-32768"]),
+        ("pressure: chunk-32768 in use", pressure_traces["chunk-32768"]),
+    ):
+        cap_series[label] = (tr["t"], tr["used"])
     plot_lines(
         out / "kv_capacity.png",
         cap_series,
         "time (s)",
         "KV tokens",
-        "KV pool: capacity and blocks in use",
+        "KV pool: capacity (base + lent reserve) and blocks in use (live + cached)",
         markers=False,
     )
     plot_lines(
@@ -366,10 +376,7 @@ def run(out_dir: Path, quick: bool) -> dict:
         "model": MODEL,
         "gpu": GPU,
         "quick": quick,
-        "ttft": [
-            {k: v for k, v in r.items() if k != "long_ttfts_s"} | {"long_ttfts_s": r["long_ttfts_s"]}
-            for r in ttft_rows
-        ],
+        "rows": ttft_rows,
         "ttft_gap_chunk_8192_vs_32768": ttft_gap,
         "elastic_capacity_gain": capacity_gain,
         "decode_pressure": pressure,
