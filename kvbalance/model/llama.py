@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 LLAMA_LIKE_ARCHS = ("llama", "qwen2", "mistral", "smollm", "smollm2")
+GATHER_BUDGET_BYTES = 4 << 20  # CPU decode: gathered K+V per attention call, sized to stay in cache
 
 
 @dataclass
@@ -408,19 +409,32 @@ class Attention(nn.Module):
             out.index_copy_(0, g.token_index, self._attend(q.index_select(0, g.token_index), g))
         return self.o(out)
 
+    def _gather(self, cache: torch.Tensor, block_index: torch.Tensor, b: int) -> torch.Tensor:
+        """Contexts of ``b`` sequences from whole blocks -> ``[b, kv_heads, ctx, head_dim]`` (head-major copy)."""
+        kvh, num_blocks, block_size, hd = cache.shape
+        rows = cache.view(kvh, num_blocks, block_size * hd).index_select(1, block_index)
+        return rows.view(kvh, b, -1, hd).transpose(0, 1)
+
     def _attend(self, q: torch.Tensor, g: AttnGroup) -> torch.Tensor:
         """Attention of one group's queries ``[n, heads, head_dim]`` -> ``[n, heads * head_dim]``."""
         kvh, hd, grp, b, max_q = self.num_kv_heads, self.head_dim, self.group, g.batch_size, g.max_q
-        block_size = self.k_cache.shape[2]
-        ctx = g.ctx_blocks * block_size
-        rows = (kvh, self.k_cache.shape[1], block_size * hd)
-        kc = self.k_cache.view(rows).index_select(1, g.block_index).view(kvh, b, ctx, hd).transpose(0, 1)
-        vc = self.v_cache.view(rows).index_select(1, g.block_index).view(kvh, b, ctx, hd).transpose(0, 1)
         if g.query_index is None:  # decode: one query per sequence, the GQA group becomes the rows
-            out = F.scaled_dot_product_attention(
-                q.view(b, kvh, grp, hd), kc, vc, attn_mask=g.attn_bias, scale=self.scale
-            )
-            return out.reshape(b, self.q_size)
+            q = q.view(b, kvh, grp, hd)
+            step = b
+            if not self.k_cache.is_cuda:
+                # CPU: gather a few sequences at a time so the copies stay in cache for the kernel
+                # (measured ~30% less attention time than one big gather at batch 64, context 512).
+                seq_bytes = 2 * g.ctx_blocks * self.k_cache.shape[2] * kvh * hd * self.k_cache.element_size()
+                step = max(1, GATHER_BUDGET_BYTES // seq_bytes)
+            outs = []
+            for s in range(0, b, step):
+                e, nb = min(b, s + step), g.ctx_blocks
+                blocks = g.block_index[s * nb : e * nb]
+                kc, vc = self._gather(self.k_cache, blocks, e - s), self._gather(self.v_cache, blocks, e - s)
+                bias = None if g.attn_bias is None else g.attn_bias[s:e]
+                outs.append(F.scaled_dot_product_attention(q[s:e], kc, vc, attn_mask=bias, scale=self.scale))
+            return (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(b, self.q_size)
+        kc, vc = self._gather(self.k_cache, g.block_index, b), self._gather(self.v_cache, g.block_index, b)
         qp = q.index_select(0, g.query_index).view(b, max_q, kvh, grp, hd)
         qp = qp.permute(0, 2, 3, 1, 4).reshape(b, kvh, grp * max_q, hd)
         out = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=g.attn_bias, scale=self.scale)
