@@ -13,6 +13,7 @@ import torch
 
 from kvbalance.executor.base import BatchPlan, KVTransfer, ScheduledSeq
 from kvbalance.executor.torch import TorchExecutor
+from kvbalance.model import llama
 from kvbalance.model.llama import LlamaConfig, build_step_metadata, rope_inv_freq
 from kvbalance.model.weights import native_to_hf, random_weights
 from kvbalance.request import Request, SamplingParams
@@ -194,6 +195,16 @@ def test_many_decodes_of_varied_context_split_into_groups_match_hf(setup):
         del pending[:4]
         step(ex, [r for r in running if r.num_output_tokens < NUM_OUT], blocks, 64, logits)
     check_against_hf(hf, running, logits)
+
+
+def test_decode_sub_batches_for_cache_sized_gathers_match_hf(setup, monkeypatch):
+    config, sd, hf = setup
+    monkeypatch.setattr(llama, "GATHER_BUDGET_BYTES", 1)  # every sequence gathers on its own
+    ex = TorchExecutor(config, sd, num_blocks=128, block_size=BLOCK)
+    reqs, blocks, logits = new_requests(config), Blocks(128, seed=2), {}
+    for _ in range(NUM_OUT):
+        step(ex, reqs, blocks, None, logits)
+    check_against_hf(hf, reqs, logits)
 
 
 def test_decodes_split_by_context_length():

@@ -122,54 +122,9 @@ def _step_activation_bytes(shape: er.ModelShape, tp: int, num_tokens: int) -> in
 
 
 def evict_cached_blocks(cache: RadixCache, block_ids: Sequence[int]) -> int:
-    """Drop the given blocks from the prefix cache, with every cached block below them; return blocks freed.
-
-    A cached block's descendants extend its prefix, so they go too. Every block dropped must be unlocked
-    (no running request uses it): preempt the holders first. Cost: one traversal of the tree.
-    """
-    targets = set(block_ids)
-    if not targets:
-        return 0
-    root = cache.root
-    freed: list[int] = []
-    nodes_removed = 0
-    stack = list(root.children.values())
-    while stack:
-        node = stack.pop()
-        cut = next((j for j, b in enumerate(node.block_ids) if b in targets), None)
-        if cut is None:
-            stack.extend(node.children.values())
-            continue
-        if node.lock_ref != 0:
-            raise RuntimeError(
-                f"{node}: cannot evict block {node.block_ids[cut]} that a running request uses"
-            )
-        # everything below the cut goes
-        freed.extend(node.block_ids[cut:])
-        below = list(node.children.values())
-        while below:
-            n = below.pop()
-            freed.extend(n.block_ids)
-            n.alive = False
-            nodes_removed += 1
-            below.extend(n.children.values())
-        node.children = {}
-        if cut == 0:
-            node.alive = False
-            nodes_removed += 1
-            parent = node.parent
-            del parent.children[node.key]
-            if parent is not root and parent.lock_ref == 0 and not parent.children:
-                cache._push(parent)
-        else:
-            del node.block_ids[cut:]
-            del node.hashes[cut:]
-            cache._push(node)  # a leaf now
-    cache._num_nodes -= nodes_removed
-    cache.evictable_blocks -= len(freed)
-    cache.num_evicted += len(freed)
-    cache.pool.free(freed)
-    return len(freed)
+    """Drop the given blocks (and every cached block below them) from the prefix cache; see
+    :meth:`RadixCache.evict_blocks`."""
+    return cache.evict_blocks(block_ids)
 
 
 class ElasticReserve:
