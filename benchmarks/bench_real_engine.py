@@ -209,19 +209,27 @@ def run_transformers(prompts, outputs, threads: int, batch: int, max_batches: in
 
 _VLLM_SCRIPT = r"""
 import json, sys, time
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-spec = json.load(open(sys.argv[1]))
-llm = LLM(model=spec["model_dir"], dtype="float32", max_model_len=2048, max_num_seqs=64,
-          max_num_batched_tokens=512, enable_prefix_caching=True, seed=0)
-params = [SamplingParams(max_tokens=o, min_tokens=o, ignore_eos=True, temperature=0.0) for o in spec["outputs"]]
-prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))
-t0 = time.perf_counter()
-outs = llm.generate(prompts, params)
-wall = time.perf_counter() - t0
-n = sum(len(o.outputs[0].token_ids) for o in outs)
-print("RESULT " + json.dumps({"wall_s": wall, "output_tokens": n, "output_tokens_per_s": n / wall}))
+
+
+def main():
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.load(open(sys.argv[1]))
+    llm = LLM(model=spec["model_dir"], dtype="float32", max_model_len=2048, max_num_seqs=64,
+              max_num_batched_tokens=512, enable_prefix_caching=True, seed=0)
+    params = [SamplingParams(max_tokens=o, min_tokens=o, ignore_eos=True, temperature=0.0) for o in spec["outputs"]]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    print("RESULT " + json.dumps({"wall_s": wall, "output_tokens": n, "output_tokens_per_s": n / wall}))
+
+
+if __name__ == "__main__":  # vLLM starts its engine core with spawn
+    main()
 """
 
 
@@ -324,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ntop operators, {k} {table}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if out.is_file():  # keep systems measured by an earlier run (e.g. --skip-kvbalance --vllm-python ...)
+        try:
+            old = json.loads(out.read_text())
+        except json.JSONDecodeError:
+            old = {}
+        if old.get("workload") == result["workload"]:
+            result["systems"] = {**old.get("systems", {}), **result["systems"]}
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out}")
     return 0

@@ -114,7 +114,7 @@ def profile_grid(quick: bool, max_context: int) -> list[GridPoint]:
         mixed = ((4, 64, 32),)
     else:
         prefill, chunked = (16, 64, 256, 512), ((128, 512), (512, 1024))
-        batches, contexts = (1, 4, 16, 64), (64, 256, 1024)
+        batches, contexts = (1, 4, 16, 32, 64), (64, 256, 1024)
         mixed = ((8, 256, 248), (32, 512, 224), (63, 256, 449), (16, 1024, 496))
     cap = max_context
     grid = [GridPoint(f"prefill-{n}", [(n, n, True)]) for n in prefill if n <= cap]
@@ -477,6 +477,18 @@ def validate(cfg: ProfileConfig, hardware_path: Path, vocab: int, max_context: i
             "predicted_s": float(step_pred.sum()),
             "sum_rel_error": _rel(float(step_pred.sum()), float(step_real.sum())) if steps else None,
             "median_step_rel_error": float(np.median(step_rel)) if steps else None,
+            # per step: [tokens, seqs, prefill tokens, max context, measured s, predicted s]
+            "steps": [
+                [
+                    sum(n for n, _, _ in sq),
+                    len(sq),
+                    sum(n for n, _, _ in sq if n > 1),
+                    max(c for _, c, _ in sq),
+                    round(float(m), 6),
+                    round(float(p), 6),
+                ]
+                for (sq, _, _), m, p in zip(steps, step_real, step_pred)
+            ],  # fmt: skip
         },
     }
 

@@ -207,6 +207,21 @@ def test_decode_sub_batches_for_cache_sized_gathers_match_hf(setup, monkeypatch)
     check_against_hf(hf, reqs, logits)
 
 
+@pytest.mark.parametrize("kv_dtype, atol", [(torch.float16, 2e-2), (torch.bfloat16, 1e-1)], ids=str)
+def test_half_precision_kv_cache_keeps_greedy_tokens(setup, kv_dtype, atol):
+    config, sd, hf = setup
+    ex = TorchExecutor(config, sd, num_blocks=128, block_size=BLOCK, kv_dtype=kv_dtype)
+    assert ex.kv_cache.dtype == kv_dtype
+    assert ex.kv_bytes_per_block == config.num_layers * 2 * BLOCK * config.num_kv_heads * config.head_dim * 2
+    reqs, blocks, logits = new_requests(config), Blocks(128, seed=6), {}
+    for _ in range(NUM_OUT):
+        step(ex, reqs, blocks, 16, logits)
+    for r in reqs:
+        ref_tokens, ref_logits = hf_reference(hf, list(r.prompt_token_ids), r.num_output_tokens)
+        assert r.output_token_ids == ref_tokens
+        torch.testing.assert_close(torch.stack(logits[r.request_id]), ref_logits, atol=atol, rtol=0)
+
+
 def test_decodes_split_by_context_length():
     meta = build_step_metadata(
         [5] * 6 + [400] * 6, [1] * 12, [list(range(26))] * 12, list(range(12)), BLOCK, 2, "cpu", torch.float32
@@ -247,6 +262,29 @@ def test_preempted_sequence_recomputes_into_new_blocks(setup):
         step(ex, [r for r in reqs if r.num_output_tokens < NUM_OUT], blocks, 32, logits)
     assert not set(victim.block_ids) & set(old)
     check_against_hf(hf, reqs, logits)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_chunked_steps_match_hf(setup):
+    config, sd, hf = setup
+    ex = TorchExecutor(config, sd, num_blocks=128, block_size=BLOCK, device="cuda")
+    pending, blocks, logits = new_requests(config), Blocks(128, seed=4), {}
+    running: list[Request] = []
+    while pending or any(r.num_output_tokens < NUM_OUT for r in running):
+        if pending:
+            running.append(pending.pop())
+        step(ex, [r for r in running if r.num_output_tokens < NUM_OUT], blocks, 16, logits)
+    logits = {k: [x.cpu() for x in v] for k, v in logits.items()}
+    check_against_hf(hf, running, logits)
+
+
+def test_preset_spec_builds_an_executor():
+    specs = pytest.importorskip("kvbalance.specs")
+    config = LlamaConfig.from_spec(specs.get_model("tiny-llama"))
+    ex = TorchExecutor(config, random_weights(config, seed=1), num_blocks=8, block_size=BLOCK)
+    r = Request("p", [1, 2, 3])
+    r.block_ids = [5]
+    assert set(ex.execute(BatchPlan([ScheduledSeq(r, 0, 3, True)], BLOCK)).sampled) == {"p"}
 
 
 def test_llama3_rope_frequencies_match_hf():

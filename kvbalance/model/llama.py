@@ -1,10 +1,12 @@
 """A Llama-architecture decoder in plain PyTorch that computes one step over a paged KV cache.
 
 One forward runs a flattened mix of prefill chunks and decodes (tokens of all sequences
-concatenated). Each layer writes the new tokens' K/V into their cache slots, gathers every
-sequence's context through its block table into a padded batch and runs
-``scaled_dot_product_attention`` once. The per-step bookkeeping (slot mapping, gather indices,
-mask, RoPE angles) lives in :class:`StepMetadata`, built once per step and shared by all layers.
+concatenated). Each layer writes the new tokens' K/V into their cache slots (one
+``index_copy_`` over the step's slot mapping), gathers each sequence's context by whole blocks
+through its block table into a padded batch, and runs ``scaled_dot_product_attention`` per
+attention group (decodes, split by context length, and prefill chunks). The per-step
+bookkeeping (slot mapping, gather indices, masks, RoPE angles) lives in :class:`StepMetadata`,
+built once per step and shared by all layers, so ``forward(input_ids, meta)`` stays plain.
 """
 
 from __future__ import annotations
@@ -99,7 +101,9 @@ class LlamaConfig:
             rope_scaling=_rope_scaling_or_none(getattr(spec, "rope_scaling", None)),
             tie_word_embeddings=bool(getattr(spec, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
-            o_bias=False,
+            o_bias=qkv_bias and bool(getattr(spec, "linear_bias", False)),
+            bos_token_id=getattr(spec, "bos_token_id", None),
+            eos_token_id=getattr(spec, "eos_token_id", None),
         )
 
     @classmethod
@@ -196,6 +200,12 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
         middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(middle, blended, inv_freq)
     return inv_freq
+
+
+def attention_dtype(model_dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """Dtype attention runs in: bfloat16 caches natively (the CPU kernel is ~2x faster than
+    widening them), other narrow caches (float16) widened to the model's dtype after the gather."""
+    return cache_dtype if cache_dtype == torch.bfloat16 else model_dtype
 
 
 # -- per-step metadata ----------------------------------------------------------------------------
@@ -400,8 +410,9 @@ class Attention(nn.Module):
         k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), meta.cos, meta.sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         kvh, hd = self.num_kv_heads, self.head_dim
-        self.k_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        self.v_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        kv_dtype = self.k_cache.dtype  # may be narrower than the model's (halves the bytes attention reads)
+        self.k_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_dtype))
+        self.v_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_dtype))
         if len(meta.groups) == 1 and meta.groups[0].token_index is None:
             return self.o(self._attend(q, meta.groups[0]))
         out = q.new_empty(t, self.q_size)
@@ -409,37 +420,51 @@ class Attention(nn.Module):
             out.index_copy_(0, g.token_index, self._attend(q.index_select(0, g.token_index), g))
         return self.o(out)
 
-    def _gather(self, cache: torch.Tensor, block_index: torch.Tensor, b: int) -> torch.Tensor:
+    def _gather(
+        self, cache: torch.Tensor, block_index: torch.Tensor, b: int, dtype: torch.dtype
+    ) -> torch.Tensor:
         """Contexts of ``b`` sequences from whole blocks -> ``[b, kv_heads, ctx, head_dim]`` (head-major copy)."""
         kvh, num_blocks, block_size, hd = cache.shape
-        rows = cache.view(kvh, num_blocks, block_size * hd).index_select(1, block_index)
+        rows = (
+            cache.view(kvh, num_blocks, block_size * hd).index_select(1, block_index).to(dtype)
+        )  # contiguous
         return rows.view(kvh, b, -1, hd).transpose(0, 1)
 
     def _attend(self, q: torch.Tensor, g: AttnGroup) -> torch.Tensor:
-        """Attention of one group's queries ``[n, heads, head_dim]`` -> ``[n, heads * head_dim]``."""
+        """Attention of one group's queries ``[n, heads, head_dim]`` -> ``[n, heads * head_dim]``.
+
+        Runs in ``attention_dtype(model dtype, cache dtype)``: a bfloat16 cache is attended in
+        bfloat16 directly; any other cache is widened to the model's dtype after the gather.
+        """
         kvh, hd, grp, b, max_q = self.num_kv_heads, self.head_dim, self.group, g.batch_size, g.max_q
+        out_dtype = q.dtype
+        dtype = attention_dtype(q.dtype, self.k_cache.dtype)
         if g.query_index is None:  # decode: one query per sequence, the GQA group becomes the rows
-            q = q.view(b, kvh, grp, hd)
+            q = q.view(b, kvh, grp, hd).to(dtype)
             step = b
             if not self.k_cache.is_cuda:
                 # CPU: gather a few sequences at a time so the copies stay in cache for the kernel
                 # (measured ~30% less attention time than one big gather at batch 64, context 512).
-                seq_bytes = 2 * g.ctx_blocks * self.k_cache.shape[2] * kvh * hd * self.k_cache.element_size()
+                elem = self.k_cache.element_size() + (q.element_size() if dtype != self.k_cache.dtype else 0)
+                seq_bytes = 2 * g.ctx_blocks * self.k_cache.shape[2] * kvh * hd * elem
                 step = max(1, GATHER_BUDGET_BYTES // seq_bytes)
             outs = []
             for s in range(0, b, step):
                 e, nb = min(b, s + step), g.ctx_blocks
                 blocks = g.block_index[s * nb : e * nb]
-                kc, vc = self._gather(self.k_cache, blocks, e - s), self._gather(self.v_cache, blocks, e - s)
+                kc = self._gather(self.k_cache, blocks, e - s, dtype)
+                vc = self._gather(self.v_cache, blocks, e - s, dtype)
                 bias = None if g.attn_bias is None else g.attn_bias[s:e]
                 outs.append(F.scaled_dot_product_attention(q[s:e], kc, vc, attn_mask=bias, scale=self.scale))
-            return (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(b, self.q_size)
-        kc, vc = self._gather(self.k_cache, g.block_index, b), self._gather(self.v_cache, g.block_index, b)
-        qp = q.index_select(0, g.query_index).view(b, max_q, kvh, grp, hd)
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            return out.reshape(b, self.q_size).to(out_dtype)
+        kc = self._gather(self.k_cache, g.block_index, b, dtype)
+        vc = self._gather(self.v_cache, g.block_index, b, dtype)
+        qp = q.index_select(0, g.query_index).view(b, max_q, kvh, grp, hd).to(dtype)
         qp = qp.permute(0, 2, 3, 1, 4).reshape(b, kvh, grp * max_q, hd)
         out = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=g.attn_bias, scale=self.scale)
         out = out.view(b, kvh, grp, max_q, hd).permute(0, 3, 1, 2, 4).reshape(b * max_q, self.q_size)
-        return out.index_select(0, g.output_index)
+        return out.index_select(0, g.output_index).to(out_dtype)
 
 
 class MLP(nn.Module):

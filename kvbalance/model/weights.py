@@ -169,6 +169,7 @@ def load_hf_dir(path: str | Path, with_tokenizer: bool = True) -> LoadedModel:
         hf.update(load_file(str(f)))
     if "lm_head.weight" not in hf and not config.tie_word_embeddings:
         raise ValueError(f"path: {path} has no lm_head.weight and tie_word_embeddings is false")
+    config.name = path.name
     tokenizer = load_tokenizer(path) if with_tokenizer else None
     return LoadedModel(config, hf_to_native(hf, config), tokenizer, False, str(path))
 
