@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbalance.model import native
+
 LLAMA_LIKE_ARCHS = ("llama", "qwen2", "mistral", "smollm", "smollm2")
 GATHER_BUDGET_BYTES = 4 << 20  # CPU decode: gathered K+V per attention call, sized to stay in cache
 
@@ -227,6 +229,7 @@ class AttnGroup:
     batch_size: int
     max_q: int
     ctx_blocks: int
+    context_lens: torch.Tensor | None = None  # [B] int64 keys per sequence (decode groups: native kernel)
 
 
 @dataclass
@@ -343,6 +346,7 @@ def build_step_metadata(
                 batch_size=len(rows),
                 max_q=max_q,
                 ctx_blocks=nb,
+                context_lens=t(g_ctx) if max_q == 1 else None,
             )
         )
     logits_rows = cu[1:][np.asarray(sample_rows, dtype=np.int64)] - 1
@@ -439,6 +443,17 @@ class Attention(nn.Module):
         kvh, hd, grp, b, max_q = self.num_kv_heads, self.head_dim, self.group, g.batch_size, g.max_q
         out_dtype = q.dtype
         dtype = attention_dtype(q.dtype, self.k_cache.dtype)
+        if g.query_index is None and g.context_lens is not None and native.can_use(q, self.k_cache, grp):
+            # CPU decode: read K/V blocks in place through the block table (no gathered copy)
+            out = native.paged_decode_attention(
+                q.view(b, kvh, grp, hd),
+                self.k_cache,
+                self.v_cache,
+                g.block_index.view(b, g.ctx_blocks),
+                g.context_lens,
+                self.scale,
+            )
+            return out.reshape(b, self.q_size)
         if g.query_index is None:  # decode: one query per sequence, the GQA group becomes the rows
             q = q.view(b, kvh, grp, hd).to(dtype)
             step = b
