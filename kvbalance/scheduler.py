@@ -124,7 +124,9 @@ class Scheduler:
         decodes: list[Request] = []
         prefills: list[Request] = []
         for r in self.running:
-            (decodes if r._num_prompt + len(r.output_token_ids) - r.num_computed_tokens == 1 else prefills).append(r)
+            (
+                decodes if r._num_prompt + len(r.output_token_ids) - r.num_computed_tokens == 1 else prefills
+            ).append(r)
         scheduled: set[str] = set()
         seqs = plan.seqs
         preempted = False
