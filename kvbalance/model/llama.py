@@ -230,6 +230,8 @@ class AttnGroup:
     max_q: int
     ctx_blocks: int
     context_lens: torch.Tensor | None = None  # [B] int64 keys per sequence (decode groups: native kernel)
+    q_start: int = 0  # prefill groups (one sequence each): position of the first new token
+    context: int = 0  # prefill groups: keys the last new token attends (q_start + new tokens)
 
 
 @dataclass
@@ -308,45 +310,47 @@ def build_step_metadata(
 
     is_decode = lens == 1
     row_sets = _split_decodes(ctx, np.flatnonzero(is_decode), block_size) if is_decode.any() else []
-    if not is_decode.all():
-        row_sets.append(np.flatnonzero(~is_decode))
     groups = []
+    only_group = len(row_sets) + int((~is_decode).sum()) == 1
     for rows in row_sets:
-        g_lens, g_starts, g_ctx = lens[rows], starts[rows], ctx[rows]
+        g_ctx = ctx[rows]
         nb = int(nblocks[rows].max())
-        kpos = np.arange(nb * block_size)
-        key_valid = kpos[None, :] < g_ctx[:, None]  # [Bg, Lp]
-        max_q = int(g_lens.max())
-        if max_q == 1:
-            query_index = output_index = None
-            mask = key_valid[:, None, None, :]
-        else:
-            qi = np.arange(max_q)
-            q_valid = qi[None, :] < g_lens[:, None]
-            q_pos = np.where(q_valid, g_starts[:, None] + qi[None, :], 0)  # padded queries see key 0 only
-            g_cu = np.concatenate(([0], np.cumsum(g_lens)[:-1]))
-            query_index = np.where(q_valid, g_cu[:, None] + qi[None, :], 0).reshape(-1)
-            g_seq = np.repeat(np.arange(len(rows)), g_lens)
-            output_index = g_seq * max_q + (np.arange(len(g_seq)) - g_cu[g_seq])
-            allowed = (kpos[None, None, :] <= q_pos[:, :, None]) & key_valid[:, None, :]  # [Bg, max_q, Lp]
-            # Folded GQA: inside each KV head the query rows are ordered (group, q).
-            mask = np.broadcast_to(allowed[:, None, None], (len(rows), 1, group_size, max_q, len(kpos)))
-            mask = mask.reshape(len(rows), 1, group_size * max_q, len(kpos))
+        key_valid = np.arange(nb * block_size)[None, :] < g_ctx[:, None]  # [Bg, Lp]
+        mask = key_valid[:, None, None, :]
         bias = None if mask.all() else t(np.where(mask, np.float32(0.0), np.float32(-np.inf))).to(dtype)
-        token_rows = (
-            np.concatenate([np.arange(cu[r], cu[r + 1]) for r in rows]) if len(row_sets) > 1 else None
-        )
         groups.append(
             AttnGroup(
-                token_index=None if token_rows is None else t(token_rows),
+                token_index=None if only_group else t(cu[rows]),
                 block_index=t(table[rows, :nb].reshape(-1)),
                 attn_bias=bias,
-                query_index=None if query_index is None else t(query_index),
-                output_index=None if output_index is None else t(output_index),
+                query_index=None,
+                output_index=None,
                 batch_size=len(rows),
-                max_q=max_q,
+                max_q=1,
                 ctx_blocks=nb,
-                context_lens=t(g_ctx) if max_q == 1 else None,
+                context_lens=t(g_ctx),
+            )
+        )
+    # Prefill chunks: one attention call each (no padding across sequences). A chunk without cached
+    # prefix attends only its own new keys, causally; a chunk after a prefix gets a bottom-right mask.
+    for r in np.flatnonzero(~is_decode):
+        n, st, c = int(lens[r]), int(starts[r]), int(ctx[r])
+        bias = None
+        if st > 0:
+            allowed = np.arange(c)[None, :] <= (st + np.arange(n))[:, None]
+            bias = t(np.where(allowed, np.float32(0.0), np.float32(-np.inf))).to(dtype)
+        groups.append(
+            AttnGroup(
+                token_index=None if only_group else t(np.arange(cu[r], cu[r + 1])),
+                block_index=t(table[r, : int(nblocks[r])]),
+                attn_bias=bias,
+                query_index=None,
+                output_index=None,
+                batch_size=1,
+                max_q=n,
+                ctx_blocks=int(nblocks[r]),
+                q_start=st,
+                context=c,
             )
         )
     logits_rows = cu[1:][np.asarray(sample_rows, dtype=np.int64)] - 1
@@ -418,10 +422,18 @@ class Attention(nn.Module):
         self.k_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_dtype))
         self.v_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_dtype))
         if len(meta.groups) == 1 and meta.groups[0].token_index is None:
-            return self.o(self._attend(q, meta.groups[0]))
+            return self.o(self._attend(q, meta.groups[0], k, v))
         out = q.new_empty(t, self.q_size)
         for g in meta.groups:
-            out.index_copy_(0, g.token_index, self._attend(q.index_select(0, g.token_index), g))
+            idx = g.token_index
+            if g.max_q > 1 and g.q_start == 0:  # a whole prompt: its keys are this step's k, v
+                out.index_copy_(
+                    0,
+                    idx,
+                    self._attend(q.index_select(0, idx), g, k.index_select(0, idx), v.index_select(0, idx)),
+                )
+            else:
+                out.index_copy_(0, idx, self._attend(q.index_select(0, idx), g))
         return self.o(out)
 
     def _gather(
@@ -434,7 +446,13 @@ class Attention(nn.Module):
         )  # contiguous
         return rows.view(kvh, b, -1, hd).transpose(0, 1)
 
-    def _attend(self, q: torch.Tensor, g: AttnGroup) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        g: AttnGroup,
+        k_new: torch.Tensor | None = None,
+        v_new: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Attention of one group's queries ``[n, heads, head_dim]`` -> ``[n, heads * head_dim]``.
 
         Runs in ``attention_dtype(model dtype, cache dtype)``: a bfloat16 cache is attended in
@@ -443,7 +461,7 @@ class Attention(nn.Module):
         kvh, hd, grp, b, max_q = self.num_kv_heads, self.head_dim, self.group, g.batch_size, g.max_q
         out_dtype = q.dtype
         dtype = attention_dtype(q.dtype, self.k_cache.dtype)
-        if g.query_index is None and g.context_lens is not None and native.can_use(q, self.k_cache, grp):
+        if g.max_q == 1 and g.context_lens is not None and native.can_use(q, self.k_cache, grp):
             # CPU decode: read K/V blocks in place through the block table (no gathered copy)
             out = native.paged_decode_attention(
                 q.view(b, kvh, grp, hd),
@@ -454,7 +472,7 @@ class Attention(nn.Module):
                 self.scale,
             )
             return out.reshape(b, self.q_size)
-        if g.query_index is None:  # decode: one query per sequence, the GQA group becomes the rows
+        if g.max_q == 1:  # decode: one query per sequence, the GQA group becomes the rows
             q = q.view(b, kvh, grp, hd).to(dtype)
             step = b
             if not self.k_cache.is_cuda:
@@ -473,13 +491,22 @@ class Attention(nn.Module):
                 outs.append(F.scaled_dot_product_attention(q[s:e], kc, vc, attn_mask=bias, scale=self.scale))
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             return out.reshape(b, self.q_size).to(out_dtype)
-        kc = self._gather(self.k_cache, g.block_index, b, dtype)
-        vc = self._gather(self.v_cache, g.block_index, b, dtype)
-        qp = q.index_select(0, g.query_index).view(b, max_q, kvh, grp, hd).to(dtype)
-        qp = qp.permute(0, 2, 3, 1, 4).reshape(b, kvh, grp * max_q, hd)
-        out = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=g.attn_bias, scale=self.scale)
-        out = out.view(b, kvh, grp, max_q, hd).permute(0, 3, 1, 2, 4).reshape(b * max_q, self.q_size)
-        return out.index_select(0, g.output_index).to(out_dtype)
+        # one prefill chunk: [n, heads, hd] queries over its context, GQA without copying KV heads
+        n = g.max_q
+        qp = q.to(dtype).transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
+        if g.q_start == 0 and k_new is not None:
+            kc = k_new.to(dtype).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, n, hd]
+            vc = v_new.to(dtype).transpose(0, 1).unsqueeze(0)
+            out = F.scaled_dot_product_attention(
+                qp, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        else:
+            kc = self._gather(self.k_cache, g.block_index, 1, dtype)[:, :, : g.context]
+            vc = self._gather(self.v_cache, g.block_index, 1, dtype)[:, :, : g.context]
+            out = F.scaled_dot_product_attention(
+                qp, kc, vc, attn_mask=g.attn_bias, scale=self.scale, enable_gqa=True
+            )
+        return out[0].transpose(0, 1).reshape(n, self.q_size).to(out_dtype)
 
 
 class MLP(nn.Module):

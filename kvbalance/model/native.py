@@ -31,15 +31,34 @@ _SOURCE = r"""
 #define MAX_D 256
 #define MAX_BS 256
 
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+static inline float hsum(v8 x) {
+    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
 /* q, out: [B, KVH, G, D]; k, v: [KVH, NB, BS, D]; table: [B, MAXB]; ctx: [B] (tokens with KV). */
-void paged_decode_attention(const float *q, const float *k, const float *v, const int64_t *table,
-                            const int64_t *ctx, float *out, int64_t B, int64_t KVH, int64_t G, int64_t D,
-                            int64_t NB, int64_t BS, int64_t MAXB, float scale, int nthreads) {
+void paged_decode_attention(const float *restrict q, const float *restrict k, const float *restrict v,
+                            const int64_t *restrict table, const int64_t *restrict ctx, float *restrict out,
+                            int64_t B, int64_t KVH, int64_t G, int64_t D, int64_t NB, int64_t BS, int64_t MAXB,
+                            float scale, int nthreads) {
     #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < KVH; h++) {
             const float *qh = q + (b * KVH + h) * G * D;
-            float m[MAX_G], l[MAX_G], acc[MAX_G * MAX_D], s[MAX_G * MAX_BS];
+            float m[MAX_G], l[MAX_G];
+            float acc[MAX_G * MAX_D] __attribute__((aligned(64)));
+            float s[MAX_G * MAX_BS] __attribute__((aligned(64)));  /* [g][t]: scores, then weights */
             for (int64_t g = 0; g < G; g++) { m[g] = -INFINITY; l[g] = 0.0f; }
             for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
             int64_t n_ctx = ctx[b];
@@ -49,29 +68,57 @@ void paged_decode_attention(const float *q, const float *k, const float *v, cons
                 int64_t n = n_ctx - blk * BS < BS ? n_ctx - blk * BS : BS;
                 const float *kb = k + ((h * NB + pb) * BS) * D;
                 const float *vb = v + ((h * NB + pb) * BS) * D;
-                for (int64_t t = 0; t < n; t++) {
-                    const float *kt = kb + t * D;
-                    for (int64_t g = 0; g < G; g++) {
-                        const float *qg = qh + g * D;
-                        float dot = 0.0f;
-                        for (int64_t d = 0; d < D; d++) dot += qg[d] * kt[d];
-                        s[g * BS + t] = dot * scale;
+                if (blk + 1 < n_blocks) { /* the next block is elsewhere in memory: fetch it early */
+                    int64_t nb2 = table[b * MAXB + blk + 1];
+                    const char *nk = (const char *)(k + ((h * NB + nb2) * BS) * D);
+                    const char *nv = (const char *)(v + ((h * NB + nb2) * BS) * D);
+                    for (int64_t off = 0; off < BS * D * 4; off += 64) {
+                        __builtin_prefetch(nk + off, 0, 3);
+                        __builtin_prefetch(nv + off, 0, 3);
                     }
                 }
-                for (int64_t g = 0; g < G; g++) {
-                    float bm = m[g];
-                    for (int64_t t = 0; t < n; t++) bm = s[g * BS + t] > bm ? s[g * BS + t] : bm;
-                    float corr = expf(m[g] - bm);
-                    float *ag = acc + g * D;
-                    l[g] *= corr;
-                    for (int64_t d = 0; d < D; d++) ag[d] *= corr;
-                    for (int64_t t = 0; t < n; t++) {
-                        float p = expf(s[g * BS + t] - bm);
-                        l[g] += p;
-                        const float *vt = vb + t * D;
-                        for (int64_t d = 0; d < D; d++) ag[d] += p * vt[d];
+                int64_t t0 = 0;
+                if (D % 8 == 0) {
+                    /* four keys at a time: four independent FMA chains per query */
+                    for (; t0 + 4 <= n; t0 += 4) {
+                        const float *k0 = kb + t0 * D, *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
+                        for (int64_t g = 0; g < G; g++) {
+                            const float *qg = qh + g * D;
+                            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                            for (int64_t d = 0; d < D; d += 8) {
+                                v8 qv = *(const v8 *)(qg + d);
+                                a0 += qv * *(const v8 *)(k0 + d);
+                                a1 += qv * *(const v8 *)(k1 + d);
+                                a2 += qv * *(const v8 *)(k2 + d);
+                                a3 += qv * *(const v8 *)(k3 + d);
+                            }
+                            s[g * BS + t0 + 0] = hsum(a0) * scale;
+                            s[g * BS + t0 + 1] = hsum(a1) * scale;
+                            s[g * BS + t0 + 2] = hsum(a2) * scale;
+                            s[g * BS + t0 + 3] = hsum(a3) * scale;
+                        }
                     }
+                }
+                for (int64_t t = t0; t < n; t++)
+                    for (int64_t g = 0; g < G; g++) s[g * BS + t] = dot(qh + g * D, kb + t * D, D) * scale;
+                for (int64_t g = 0; g < G; g++) {
+                    float *sg = s + g * BS;
+                    float bm = m[g];
+                    for (int64_t t = 0; t < n; t++) bm = sg[t] > bm ? sg[t] : bm;
+                    float c = expf(m[g] - bm);
                     m[g] = bm;
+                    float sum = 0.0f;
+                    for (int64_t t = 0; t < n; t++) { /* vectorised exp (libmvec) */
+                        sg[t] = expf(sg[t] - bm);
+                        sum += sg[t];
+                    }
+                    l[g] = l[g] * c + sum;
+                    if (c != 1.0f)
+                        for (int64_t d = 0; d < D; d++) acc[g * D + d] *= c;
+                }
+                for (int64_t t = 0; t < n; t++) {
+                    const float *vt = vb + t * D;
+                    for (int64_t g = 0; g < G; g++) axpy(acc + g * D, s[g * BS + t], vt, D);
                 }
             }
             float *oh = out + (b * KVH + h) * G * D;
@@ -85,7 +132,7 @@ void paged_decode_attention(const float *q, const float *k, const float *v, cons
 """
 
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 64, 256, 256
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-funroll-loops", "-fopenmp", "-fPIC", "-shared"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
