@@ -458,7 +458,7 @@ class Attention(nn.Module):
         Runs in ``attention_dtype(model dtype, cache dtype)``: a bfloat16 cache is attended in
         bfloat16 directly; any other cache is widened to the model's dtype after the gather.
         """
-        kvh, hd, grp, b, max_q = self.num_kv_heads, self.head_dim, self.group, g.batch_size, g.max_q
+        kvh, hd, grp, b = self.num_kv_heads, self.head_dim, self.group, g.batch_size
         out_dtype = q.dtype
         dtype = attention_dtype(q.dtype, self.k_cache.dtype)
         if g.max_q == 1 and g.context_lens is not None and native.can_use(q, self.k_cache, grp):
