@@ -68,6 +68,15 @@ void paged_decode_attention(const float *restrict q, const float *restrict k, co
                 int64_t n = n_ctx - blk * BS < BS ? n_ctx - blk * BS : BS;
                 const float *kb = k + ((h * NB + pb) * BS) * D;
                 const float *vb = v + ((h * NB + pb) * BS) * D;
+                if (blk + 1 < n_blocks) { /* blocks are scattered: the hardware prefetcher stops at each */
+                    int64_t nb2 = table[b * MAXB + blk + 1];
+                    const char *nk = (const char *)(k + ((h * NB + nb2) * BS) * D);
+                    const char *nv = (const char *)(v + ((h * NB + nb2) * BS) * D);
+                    for (int64_t off = 0; off < BS * D * (int64_t)sizeof(float); off += 64) {
+                        __builtin_prefetch(nk + off, 0, 0);
+                        __builtin_prefetch(nv + off, 0, 0);
+                    }
+                }
                 if (blk + 1 < n_blocks) { /* the next block is elsewhere in memory: fetch it early */
                     int64_t nb2 = table[b * MAXB + blk + 1];
                     const char *nk = (const char *)(k + ((h * NB + nb2) * BS) * D);
