@@ -77,7 +77,7 @@ class LLMEngine:
         model: str = "smollm2-135m",
         *,
         kv_cache_tokens: int = 65_536,
-        block_size: int = 16,
+        block_size: int | None = None,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
         policy: str = "sarathi",
@@ -93,6 +93,10 @@ class LLMEngine:
         from kvbalance.executor.torch import TorchExecutor
         from kvbalance.model.weights import load_model
 
+        if block_size is None:
+            # CPU decode attention reads each block of each KV head as one run: 64-token blocks keep the
+            # hardware prefetcher streaming (~25% faster attention than 16 on this machine); GPUs use 16.
+            block_size = 64 if str(device).startswith("cpu") else 16
         if kv_cache_tokens < block_size:
             raise ValueError(f"kv_cache_tokens: must be >= block_size ({block_size}), got {kv_cache_tokens}")
         try:
