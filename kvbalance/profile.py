@@ -39,6 +39,7 @@ FIT_PARAMS = (
     "compute_eff_max",
     "memory_eff_max",
     "attention_eff_ratio",
+    "kv_memory_eff_ratio",
     "step_overhead_s",
     "compute_half_tokens",
 )
@@ -51,7 +52,7 @@ class ProfileConfig:
     model: str = "smollm2-135m"
     threads: int = 1
     quick: bool = False
-    block_size: int = 16
+    block_size: int = 64  # LLMEngine's default on CPU
     warmup: int = 1
     repeats: int = 3
     max_repeat_s: float = 4.0  # stop repeating a grid point once this much time went into it (>= 1 repeat)

@@ -259,7 +259,9 @@ class HardwareSpec:
     the GEMM's M dimension), ``eff_m(bytes) = memory_eff_max * bytes / (bytes + memory_half_bytes)`` for
     memory traffic. Equivalently an operator costs ``(M + compute_half_tokens)`` tokens of compute and
     ``(bytes + memory_half_bytes)`` bytes of traffic at the saturated rate. Attention kernels reach
-    ``attention_eff_ratio`` times the GEMM compute fraction.
+    ``attention_eff_ratio`` times the GEMM compute fraction, and read the KV cache at
+    ``kv_memory_eff_ratio`` times the streaming bandwidth fraction (1 on GPUs by default; on a CPU the
+    paged, scattered KV reads and the weight streams reach very different rates, so it is fitted).
     """
 
     name: str
@@ -271,6 +273,7 @@ class HardwareSpec:
     memory_eff_max: float = 0.9
     memory_half_bytes: float = 1.0 * MIB
     attention_eff_ratio: float = 0.8
+    kv_memory_eff_ratio: float = 1.0
     step_overhead_s: float = 1.0e-3  # scheduling, sampling, launch of one step
     per_layer_overhead_s: float = 8.0e-6  # kernel launch gaps per transformer layer
     tp_link: LinkSpec = field(default_factory=lambda: LINKS["nvlink"])  # intra-node link used by TP
@@ -284,6 +287,10 @@ class HardwareSpec:
         for f in ("compute_eff_max", "memory_eff_max", "attention_eff_ratio"):
             if not 0 < getattr(self, f) <= 1.0:
                 raise ValueError(f"{f}: must be in (0, 1], got {getattr(self, f)!r} (hardware {self.name!r})")
+        if not 0 < self.kv_memory_eff_ratio <= 10.0:
+            raise ValueError(
+                f"kv_memory_eff_ratio: must be in (0, 10], got {self.kv_memory_eff_ratio!r} (hardware {self.name!r})"
+            )
         for f in ("compute_half_tokens", "memory_half_bytes", "step_overhead_s", "per_layer_overhead_s"):
             if getattr(self, f) < 0:
                 raise ValueError(f"{f}: must be >= 0, got {getattr(self, f)!r} (hardware {self.name!r})")

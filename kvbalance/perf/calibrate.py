@@ -21,6 +21,7 @@ FITTABLE = (
     "compute_eff_max",
     "memory_eff_max",
     "attention_eff_ratio",
+    "kv_memory_eff_ratio",
     "step_overhead_s",
     "per_layer_overhead_s",
     "compute_half_tokens",
@@ -101,7 +102,12 @@ class _Features:
         compute = self.flops * (self.size + hw.compute_half_tokens) / (self.size * hw.peak_flops * eff_c)
         memory = np.where(
             self.has_bytes,
-            (self.bytes + hw.memory_half_bytes) / (hw.mem_bandwidth_bytes_s * hw.memory_eff_max),
+            (self.bytes + hw.memory_half_bytes)
+            / (
+                hw.mem_bandwidth_bytes_s
+                * hw.memory_eff_max
+                * np.where(self.attention, hw.kv_memory_eff_ratio, 1.0)
+            ),
             0.0,
         )
         ops = (np.maximum(compute, memory) * self.repeat).sum(axis=1)
@@ -196,6 +202,8 @@ def _to_free(name: str, value: float) -> float:
 def _from_free(name: str, u: float) -> float:
     if name in _FRACTIONS:
         return 1.0 / (1.0 + math.exp(-u)) if u > -700 else 0.0
+    if name == "kv_memory_eff_ratio":
+        return min(math.exp(min(u, 700.0)), 10.0)  # HardwareSpec's bound
     return math.exp(min(u, 700.0))
 
 

@@ -83,11 +83,13 @@ def compute_time_s(flops: float, size_tokens: float, hw: HardwareSpec, kind: str
     return flops * (x + hw.compute_half_tokens) / (x * hw.peak_flops * eff)
 
 
-def memory_time_s(num_bytes: float, hw: HardwareSpec) -> float:
-    """bytes / (bw * eff_m(bytes)), eff_m(b) = eff_max * b / (b + b_half)."""
+def memory_time_s(num_bytes: float, hw: HardwareSpec, kind: str = GEMM) -> float:
+    """bytes / (bw * eff_m(bytes)), eff_m(b) = eff_max * b / (b + b_half); attention's KV reads scaled
+    by ``kv_memory_eff_ratio``."""
     if num_bytes <= 0:
         return 0.0
-    return (num_bytes + hw.memory_half_bytes) / (hw.mem_bandwidth_bytes_s * hw.memory_eff_max)
+    eff = hw.memory_eff_max * (hw.kv_memory_eff_ratio if kind == ATTENTION else 1.0)
+    return (num_bytes + hw.memory_half_bytes) / (hw.mem_bandwidth_bytes_s * eff)
 
 
 def op_time(op: OpCount, hw: HardwareSpec) -> OpTime:
@@ -98,7 +100,7 @@ def op_time(op: OpCount, hw: HardwareSpec) -> OpTime:
         flops=op.flops * r,
         bytes=op.bytes * r,
         compute_s=compute_time_s(op.flops, op.size_tokens, hw, op.kind) * r,
-        memory_s=memory_time_s(op.bytes, hw) * r,
+        memory_s=memory_time_s(op.bytes, hw, op.kind) * r,
     )
 
 
@@ -303,7 +305,7 @@ class CostModel:
         for op in ops:
             r = op.repeat
             c = compute_time_s(op.flops, op.size_tokens, hw, op.kind)
-            mem = memory_time_s(op.bytes, hw)
+            mem = memory_time_s(op.bytes, hw, op.kind)
             if c > mem:
                 b.compute_s += c * r
             else:
