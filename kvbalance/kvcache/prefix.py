@@ -260,6 +260,17 @@ class RadixCache:
         return upper
 
     # -- lookup -----------------------------------------------------------------
+    def _next_run(self, node: RadixNode, hashes: Sequence[int], i: int) -> tuple[RadixNode | None, int]:
+        """The child of ``node`` that continues ``hashes`` at block ``i`` and how many of its blocks match
+        (split so the returned node ends at the match), or ``(None, 0)``."""
+        child = node.children.get(hashes[i])
+        if child is None:
+            return None, 0
+        k = _common_prefix(child.hashes, hashes, i)
+        if k < len(child.hashes):
+            child = self._split(child, k)
+        return child, k
+
     def match_prefix(self, hashes: Sequence[int]) -> tuple[RadixNode, int]:
         """Deepest node of the longest cached prefix of ``hashes`` and its length in blocks.
 
@@ -272,12 +283,9 @@ class RadixCache:
         self._tick += 1
         tick = self._tick
         while i < n:
-            child = node.children.get(hashes[i])
+            child, k = self._next_run(node, hashes, i)
             if child is None:
                 break
-            k = _common_prefix(child.hashes, hashes, i)
-            if k < len(child.hashes):
-                child = self._split(child, k)
             child.last_access = tick
             node = child
             i += k
@@ -331,12 +339,9 @@ class RadixCache:
         tick = self._tick
         out: list[int] = []
         while i < n:
-            child = node.children.get(hashes[i])
+            child, k = self._next_run(node, hashes, i)
             if child is None:
                 break
-            k = _common_prefix(child.hashes, hashes, i)
-            if k < len(child.hashes):
-                child = self._split(child, k)
             if child.lock_ref == 0:
                 self.evictable_blocks -= len(child.block_ids)
                 self.protected_blocks += len(child.block_ids)
