@@ -92,9 +92,26 @@ class SyntheticPrompt(Sequence):
     @overload
     def __getitem__(self, index: slice) -> np.ndarray: ...
 
+    def _range(self, a: int, b: int) -> np.ndarray:
+        """Tokens of positions [a, b) (a <= b): shared blocks built per block, not per position."""
+        out = np.arange(
+            UNIQUE_BASE + self.uid * UID_STRIDE + a, UNIQUE_BASE + self.uid * UID_STRIDE + b, dtype=np.int64
+        )
+        end = min(b, self.shared_len)
+        if a < end:
+            bt = self.block_tokens
+            first, last = a // bt, (end - 1) // bt
+            base = SHARED_BASE + self.hash_ids[first : last + 1] * bt
+            runs = (base[:, None] + np.arange(bt, dtype=np.int64)[None, :]).reshape(-1)
+            out[: end - a] = runs[a - first * bt : end - first * bt]
+        return out
+
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return self._ids(np.arange(*index.indices(self.length), dtype=np.int64))
+            start, stop, step = index.indices(self.length)
+            if step == 1:
+                return self._range(start, max(start, stop))
+            return self._ids(np.arange(start, stop, step, dtype=np.int64))
         i = int(index)
         if i < 0:
             i += self.length
