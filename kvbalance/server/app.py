@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -269,6 +269,48 @@ async def _next_output(stream: RequestStream, http: Request, last_check: list[fl
 
 
 # -- the app -------------------------------------------------------------------------------------
+
+
+def _sse_response(
+    stream,
+    http: Request,
+    chunk: Callable[[StreamOutput], dict],
+    usage_chunk: Callable[[int], dict] | None,
+    prelude: Sequence[dict] = (),
+) -> StreamingResponse:
+    """Server-sent events for one request: ``prelude``, a chunk per output, the usage chunk, ``[DONE]``.
+
+    A client that goes away ends the stream and its request is aborted (KV blocks freed); an engine failure
+    mid-stream is reported in-band, since the status line has gone out already.
+    """
+
+    async def events() -> AsyncIterator[str]:
+        last, n_out = [time.monotonic()], 0
+        try:
+            for obj in prelude:
+                yield _sse(obj)
+            while True:
+                try:
+                    out = await _next_output(stream, http, last)
+                except StopAsyncIteration:
+                    break
+                if out is None:
+                    return  # client gone: finally aborts
+                n_out = out.num_output_tokens or n_out
+                yield _sse(chunk(out))
+                if out.finished:
+                    break
+            if usage_chunk is not None:
+                yield _sse(usage_chunk(n_out))
+            yield "data: [DONE]\n\n"
+        except Exception as exc:
+            yield _sse({"error": {"message": str(exc), "type": "server_error", "code": 500}})
+        finally:
+            stream.abort()
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
 def create_app(engine, model_name: str | None = None, max_queue: int = 256) -> FastAPI:
     """FastAPI app over ``engine`` (an ``LLMEngine``, wrapped here, or an ``AsyncEngine``)."""
     owns = not isinstance(engine, AsyncEngine)
@@ -380,33 +422,17 @@ def create_app(engine, model_name: str | None = None, max_queue: int = 256) -> F
             return obj
 
         if body.stream:
+            offset = [0]
 
-            async def events() -> AsyncIterator[str]:
-                last, offset, n_out = [time.monotonic()], 0, 0
-                try:
-                    while True:
-                        try:
-                            out = await _next_output(stream, http, last)
-                        except StopAsyncIteration:
-                            break
-                        if out is None:
-                            return  # client gone: finally aborts
-                        n_out = out.num_output_tokens or n_out
-                        yield _sse(envelope([choice(out.text_delta, out, offset)]))
-                        offset += len(out.text_delta)
-                        if out.finished:
-                            break
-                    if include_usage:
-                        yield _sse(envelope([], _usage(len(stream.prompt_token_ids), n_out)))
-                    yield "data: [DONE]\n\n"
-                except Exception as exc:  # engine failure mid-stream: tell the client in-band
-                    yield _sse({"error": {"message": str(exc), "type": "server_error", "code": 500}})
-                finally:
-                    stream.abort()
+            def chunk(out: StreamOutput) -> dict:
+                obj = envelope([choice(out.text_delta, out, offset[0])])
+                offset[0] += len(out.text_delta)
+                return obj
 
-            return StreamingResponse(
-                events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
+            def usage_chunk(n_out: int) -> dict:
+                return envelope([], _usage(len(stream.prompt_token_ids), n_out))
+
+            return _sse_response(stream, http, chunk, usage_chunk if include_usage else None)
 
         outs = await _collect(stream, http)
         if outs is None:
@@ -443,46 +469,24 @@ def create_app(engine, model_name: str | None = None, max_queue: int = 256) -> F
             return obj
 
         if body.stream:
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
 
-            async def events() -> AsyncIterator[str]:
-                last, n_out = [time.monotonic()], 0
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
-                try:
-                    yield _sse(envelope("chat.completion.chunk", [{**first, "finish_reason": None}]))
-                    while True:
-                        try:
-                            out = await _next_output(stream, http, last)
-                        except StopAsyncIteration:
-                            break
-                        if out is None:
-                            return
-                        n_out = out.num_output_tokens or n_out
-                        delta = {"content": out.text_delta} if out.text_delta or not out.finished else {}
-                        c = {
-                            "index": 0,
-                            "delta": delta,
-                            "logprobs": _chat_logprobs(out.logprobs, to_text)
-                            if logprobs is not None
-                            else None,
-                            "finish_reason": out.finish_reason if out.finished else None,
-                            "token_ids": out.new_token_ids,
-                        }
-                        yield _sse(envelope("chat.completion.chunk", [c]))
-                        if out.finished:
-                            break
-                    if include_usage:
-                        yield _sse(
-                            envelope("chat.completion.chunk", [], _usage(len(stream.prompt_token_ids), n_out))
-                        )
-                    yield "data: [DONE]\n\n"
-                except Exception as exc:
-                    yield _sse({"error": {"message": str(exc), "type": "server_error", "code": 500}})
-                finally:
-                    stream.abort()
+            def chunk(out: StreamOutput) -> dict:
+                delta = {"content": out.text_delta} if out.text_delta or not out.finished else {}
+                c = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": _chat_logprobs(out.logprobs, to_text) if logprobs is not None else None,
+                    "finish_reason": out.finish_reason if out.finished else None,
+                    "token_ids": out.new_token_ids,
+                }
+                return envelope("chat.completion.chunk", [c])
 
-            return StreamingResponse(
-                events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
+            def usage_chunk(n_out: int) -> dict:
+                return envelope("chat.completion.chunk", [], _usage(len(stream.prompt_token_ids), n_out))
+
+            prelude = [envelope("chat.completion.chunk", [{**first, "finish_reason": None}])]
+            return _sse_response(stream, http, chunk, usage_chunk if include_usage else None, prelude)
 
         outs = await _collect(stream, http)
         if outs is None:
