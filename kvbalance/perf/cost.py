@@ -365,17 +365,16 @@ def activation_reserve_bytes(
 ) -> int:
     """Peak activation memory of one forward pass at the token budget (what a serving engine profiles).
 
-    Per token: residual + hidden state, q/k/v, MLP intermediate (inputs and activation output), plus fp32
-    logits for up to ``max_num_seqs`` sampled tokens.
+    One formula for the whole project: :func:`kvbalance.kvcache.elastic_reserve.activation_reserve_bytes`
+    (one layer's live tensors or the sampler's fp32 logits for up to ``max_num_seqs`` rows, whichever peaks).
     """
+    from kvbalance.kvcache import elastic_reserve
+
     m = get_model(model)
     validate_tp(m, tp)
-    q_r = m.q_dim // tp
-    kv_r = kv_heads_per_rank(m, tp) * m.head_dim
-    i_r = m.intermediate_size // tp
-    per_token = 2 * m.hidden_size + q_r + 2 * kv_r + (m.mlp_in_matrices + 1) * i_r
-    logits = max_num_seqs * math.ceil(m.vocab_size / tp) * 4
-    return int(max_num_batched_tokens * per_token * m.dtype_bytes + logits)
+    return elastic_reserve.activation_reserve_bytes(
+        m, max_num_batched_tokens, tp, num_sampled_tokens=min(max_num_seqs, max_num_batched_tokens)
+    )
 
 
 def kv_capacity_tokens(
