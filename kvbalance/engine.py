@@ -14,12 +14,46 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbalance.executor.base import BatchPlan, Executor, StepResult
+from kvbalance.batch import BatchPlan, StepResult
+from kvbalance.executor.base import Executor
 from kvbalance.kvcache.blocks import BlockPool, ElasticBlockPool
 from kvbalance.kvcache.elastic import OOM, ElasticConfig, ElasticReserve
 from kvbalance.kvcache.prefix import RadixCache
 from kvbalance.request import Request, RequestState
 from kvbalance.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """A snapshot of an instance's load, for routers, the server, metrics and reports.
+
+    Token counts are what the instance still has to do or holds: ``queued_prefill_tokens`` are prompt
+    (or recompute) tokens not yet computed, over waiting and running requests; ``decode_tokens`` the
+    context of running requests past their prompt (KV read by every decode step);
+    ``remaining_output_tokens`` the output budget not yet generated (an upper bound on decode work).
+    """
+
+    name: str
+    num_waiting: int
+    num_running: int
+    num_loading: int  # requests whose KV is still arriving from outside (not schedulable yet)
+    queued_prefill_tokens: int
+    decode_tokens: int
+    remaining_output_tokens: int
+    kv_used_tokens: int
+    kv_capacity_tokens: int
+    busy_s: float
+    num_steps: int
+    num_preemptions: int
+
+    @property
+    def kv_utilization(self) -> float:
+        return self.kv_used_tokens / self.kv_capacity_tokens if self.kv_capacity_tokens else 0.0
+
+    @property
+    def outstanding_tokens(self) -> int:
+        """Work left in tokens: prefill still to compute plus output still to generate."""
+        return self.queued_prefill_tokens + self.remaining_output_tokens
 
 
 @dataclass
@@ -102,6 +136,35 @@ class Instance:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def load(self) -> InstanceLoad:
+        """A typed snapshot of what this instance holds and still has to do (O(requests))."""
+        sched = self.scheduler
+        prefill = decode = remaining = 0
+        for r in sched.running:
+            prompt_left = r.num_prompt_tokens - r.num_computed_tokens
+            if prompt_left > 0:
+                prefill += prompt_left
+            else:
+                decode += r.num_computed_tokens
+            remaining += r.max_tokens - r.num_output_tokens
+        for r in sched.waiting:
+            prefill += r.num_tokens - r.num_computed_tokens
+            remaining += r.max_tokens - r.num_output_tokens
+        return InstanceLoad(
+            name=self.name,
+            num_waiting=sched.num_waiting,
+            num_running=sched.num_running,
+            num_loading=0,
+            queued_prefill_tokens=prefill,
+            decode_tokens=decode,
+            remaining_output_tokens=remaining,
+            kv_used_tokens=sched.kv_used_tokens,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            busy_s=self.busy_s,
+            num_steps=self.num_steps,
+            num_preemptions=sched.num_preemptions,
+        )
 
     # -- stepping -----------------------------------------------------------------
     def step(self, now: float) -> StepOutcome | None:

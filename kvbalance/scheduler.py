@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from kvbalance.executor.base import BatchPlan, ScheduledSeq, StepResult
+from kvbalance.batch import BatchPlan, ScheduledSeq, StepResult
 from kvbalance.kvcache.blocks import BlockPool
 from kvbalance.kvcache.prefix import RadixCache, RadixNode, request_block_hashes
 from kvbalance.request import Request, RequestState

@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbalance.executor.base import BatchPlan, StepBreakdown
+from kvbalance.batch import BatchPlan, StepBreakdown
 from kvbalance.specs import HardwareSpec, LinkSpec, ModelSpec, get_gpu, get_link, get_model
 
 # (num_new_tokens, context_len_after_step, samples)

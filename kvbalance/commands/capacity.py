@@ -311,7 +311,7 @@ def print_table(report: dict[str, Any]) -> None:
         Console().print(f"[yellow]warning:[/yellow] {escape(w)}")
 
 
-def cmd_capacity(args) -> int:
+def run(args) -> int:
     report = capacity(args)
     if args.out:
         out = Path(args.out)
@@ -325,7 +325,3 @@ def cmd_capacity(args) -> int:
             print(f"wrote {args.out}/capacity.json")
     sys.stdout.flush()
     return 0
-
-
-def register(extra: dict) -> None:
-    extra["capacity"] = (add_parser, cmd_capacity)
