@@ -114,8 +114,9 @@ def _config(args, **overrides):
 
 def capacity(args) -> dict[str, Any]:
     """Everything ``kvbalance capacity`` reports, as a JSON-ready dict."""
+    from kvbalance.cluster.replicas import measure_saturation
     from kvbalance.sim.run import build_instance
-    from kvbalance.theory.measure import measure_saturation, throughput_bounds, workload_area
+    from kvbalance.theory.measure import throughput_bounds, workload_area
     from kvbalance.theory.stability import (
         instances_needed,
         representative_batch_time,
