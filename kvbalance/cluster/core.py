@@ -179,6 +179,13 @@ class Cluster:
     def loads(self, members: Sequence[Member]) -> list[InstanceLoad]:
         return [self.load(m) for m in members]
 
+    def check_member(self, m: Member) -> None:
+        """Block accounting of one member (with the P/D hand-off's holds counted as holders)."""
+        if self.pd is not None:
+            self.pd.check_invariants(m)
+        else:
+            m.instance.check_invariants()
+
     # -- events -----------------------------------------------------------------
     def _arrive(self, req: Request) -> None:
         i = self.router.choose(req, self.loads(self.frontends))
@@ -213,7 +220,7 @@ class Cluster:
             if self.pd is not None:
                 self.pd.on_step(m, outcome)
             if self.check_invariants:
-                inst.check_invariants()
+                self.check_member(m)
 
         return on_step
 
