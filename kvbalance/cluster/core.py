@@ -4,7 +4,8 @@ Each member is a backbone ``Instance`` with a role — ``colocated`` (prefill an
 ``decode`` — on a tuple of GPUs of the ``Topology`` (its tensor-parallel group). New requests go to a
 prefill or colocated member chosen by the router (``cluster/routers``) from ``Instance.load()`` snapshots;
 on disaggregated deployments a prefilled request's KV moves to a decode member through the P/D connector
-(``cluster/disagg.py``). All members share one ``EventLoop`` (``sim/loop.py``, which stays single-instance:
+(``cluster/disagg.py``); with a global KV store (``kvcache/store.py``) prefill and colocated members save
+prompts to it and fetch stored prefixes from it (``cluster/store_connector.py``). All members share one ``EventLoop`` (``sim/loop.py``, which stays single-instance:
 one ``InstanceDriver`` per member), so the same seed gives the same run bit for bit.
 """
 
@@ -16,10 +17,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvbalance.cluster.holds import check_member
 from kvbalance.cluster.routers import Router, build_router
 from kvbalance.cluster.topology import Topology
 from kvbalance.cluster.utilization import busy_fraction, busy_fraction_series, hot_spot_ratio
 from kvbalance.engine import Instance, InstanceLoad, StepOutcome
+from kvbalance.kvcache.store import GlobalKVStore
 from kvbalance.metrics.timeline import Timeline
 from kvbalance.request import Request, RequestState
 from kvbalance.sim.loop import EventLoop, InstanceDriver
@@ -120,6 +123,7 @@ class Cluster:
         router_options: dict[str, Any] | None = None,
         decode_router: str | Router = "least_loaded",
         pd_options: dict[str, Any] | None = None,
+        store: GlobalKVStore | None = None,
         check_invariants: bool = False,
         on_finish: Callable[[Request], None] | None = None,
     ) -> None:
@@ -157,6 +161,11 @@ class Cluster:
             from kvbalance.cluster.disagg import PDConnector
 
             self.pd = PDConnector(self, **(pd_options or {}))
+        self.store = None
+        if store is not None:
+            from kvbalance.cluster.store_connector import StoreConnector
+
+            self.store = StoreConnector(self, store)
         for m in self.members:
             m.driver = InstanceDriver(
                 self.loop, m.instance, on_step=self._step_hook(m), on_finish=self._finish_hook(m)
@@ -166,14 +175,18 @@ class Cluster:
     def load(self, m: Member) -> InstanceLoad:
         """``Instance.load()`` plus the requests whose KV is on its way to this member."""
         ld = m.instance.load()
+        n = out_tokens = prefill = 0
         if self.pd is not None and m.role == "decode":
             n, out_tokens = self.pd.incoming(m)
-            if n:
-                ld = dataclasses.replace(
-                    ld,
-                    num_loading=ld.num_loading + n,
-                    remaining_output_tokens=ld.remaining_output_tokens + out_tokens,
-                )
+        elif self.store is not None:
+            n, prefill, out_tokens = self.store.incoming(m)
+        if n:
+            ld = dataclasses.replace(
+                ld,
+                num_loading=ld.num_loading + n,
+                queued_prefill_tokens=ld.queued_prefill_tokens + prefill,
+                remaining_output_tokens=ld.remaining_output_tokens + out_tokens,
+            )
         return ld
 
     def loads(self, members: Sequence[Member]) -> list[InstanceLoad]:
@@ -181,10 +194,13 @@ class Cluster:
 
     def check_member(self, m: Member) -> None:
         """Block accounting of one member (with the P/D hand-off's holds counted as holders)."""
-        if self.pd is not None:
-            self.pd.check_invariants(m)
-        else:
-            m.instance.check_invariants()
+        holds, extra = [], []
+        for conn in (self.pd, self.store):
+            if conn is not None:
+                h, e = conn.holds_on(m)
+                holds += h
+                extra += e
+        check_member(m.instance, holds, extra)
 
     # -- events -----------------------------------------------------------------
     def _arrive(self, req: Request) -> None:
@@ -198,7 +214,10 @@ class Cluster:
                 self._finished(req)
                 return
             self.pd.begin_prefill(req)
-        m.driver.arrive(req)
+        if self.store is not None:
+            self.store.admit(m, req)
+        else:
+            m.driver.arrive(req)
 
     def _step_hook(self, m: Member) -> Callable:
         tl = m.timeline
@@ -219,6 +238,8 @@ class Cluster:
             )
             if self.pd is not None:
                 self.pd.on_step(m, outcome)
+            if self.store is not None and m.role != "decode":
+                self.store.on_step(m, outcome)
             if self.check_invariants:
                 self.check_member(m)
 

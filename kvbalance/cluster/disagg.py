@@ -22,7 +22,7 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
-from kvbalance.cluster.holds import BlockHold, check_member, hold_computed, land, release
+from kvbalance.cluster.holds import BlockHold, hold_computed, land, release
 from kvbalance.request import Request, RequestState, SamplingParams
 
 
@@ -148,12 +148,12 @@ class PDConnector:
         hs = [*self._queued[m.index], *self._in_flight[m.index]]
         return len(hs), sum(h.req.max_tokens - h.req.num_output_tokens for h in hs)
 
-    def check_invariants(self, m) -> None:
-        """Block accounting of member ``m`` with the hand-off's holds and reservations counted."""
+    def holds_on(self, m) -> tuple[list[BlockHold], list[int]]:
+        """Blocks the hand-off holds on member ``m``: prefill-side holds and decode-side reservations."""
         holds = [h.src_hold for hs in self._in_flight.values() for h in hs if h.src is m and h.src_hold]
         holds += [h.src_hold for q in self._queued.values() for h in q if h.src is m and h.src_hold]
         extra = [b for h in self._in_flight.get(m.index, ()) for b in h.dst_blocks]
-        check_member(m.instance, holds, extra)
+        return holds, extra
 
     def check_drained(self) -> None:
         stuck = [h.req.request_id for q in self._queued.values() for h in q]
