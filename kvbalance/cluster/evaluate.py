@@ -44,9 +44,11 @@ class Workbench:
     iters: int = 4
     on_run: Callable[[], None] | None = None  # progress callback, once per simulated run
     _cache: dict = field(default_factory=dict)
-    probes: dict[str, list[tuple[float, float]]] = field(
-        default_factory=dict
-    )  # config key -> (rate, attainment)
+    probes: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # key -> [(rate, attainment)]
+    max_rates: dict[str, float] = field(default_factory=dict)  # config key -> max rate at SLO found
+
+    def requests_for(self, rate: float) -> int:
+        return int(min(max(self.min_requests, round(rate * self.duration_s)), self.max_requests))
 
     def sim_config(self, rate: float) -> SimulateConfig:
         return SimulateConfig(
@@ -78,10 +80,14 @@ class Workbench:
         return a
 
     def max_rate_at_slo(self, cfg: ClusterConfig, start_rps: float) -> float:
-        rate, _ = max_rate_at_slo(
-            lambda r: self.attainment(cfg, r), start_rps, target=SLO_TARGET, iters=self.iters
-        )
-        return rate
+        """Cached per config: a config searched once (e.g. in ``best_of``) is not searched again."""
+        k = self.key(cfg)
+        if k not in self.max_rates:
+            rate, _ = max_rate_at_slo(
+                lambda r: self.attainment(cfg, r), start_rps, target=SLO_TARGET, iters=self.iters
+            )
+            self.max_rates[k] = rate
+        return self.max_rates[k]
 
     def best_of(self, cfgs: Sequence[ClusterConfig], start_rps: float) -> tuple[int, float, list[float]]:
         """(index of the best config, its max rate at SLO, every candidate's rate; pruned ones get 0)."""

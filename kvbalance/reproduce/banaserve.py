@@ -58,14 +58,12 @@ PAPER = {  # BanaServe's reported ranges
 
 
 def _sizes(quick: bool) -> dict[str, Any]:
+    # per workload: (arrival span s, min requests, max requests); "prefill": GPUs given to prefill tried
     if quick:
-        return {"models": ("llama-13b",), "n": {"alpaca": 160, "longbench": 60}, "iters": 3, "tps": (1,)}
-    return {
-        "models": ("llama-13b", "opt-13b"),
-        "n": {"alpaca": 600, "longbench": 250},
-        "iters": 5,
-        "tps": (1, 2),
-    }
+        n = {"alpaca": (3.0, 60, 1500), "longbench": (12.0, 40, 200)}
+        return {"models": ("llama-13b",), "n": n, "iters": 3, "tps": (1,), "prefill": range(2, 7)}
+    n = {"alpaca": (20.0, 200, 8000), "longbench": (60.0, 100, 1000)}
+    return {"models": ("llama-13b", "opt-13b"), "n": n, "iters": 5, "tps": (1, 2), "prefill": range(1, 8)}
 
 
 def _measure(
@@ -101,9 +99,9 @@ def _measure(
 def _one_setting(model, workload, arrival, sizes, split, tick) -> tuple[list[dict], tuple, dict]:
     kind, cv = ARRIVALS[arrival]
     ttft, tpot = SLOS[workload]
-    wb = Workbench(
-        model, GPU, workload, kind, cv, ttft, tpot, sizes["n"][workload], SEED, sizes["iters"], tick
-    )
+    span, lo, hi = sizes["n"][workload]
+    wb = Workbench(model, GPU, workload, kind, cv, ttft, tpot, duration_s=span, min_requests=lo, max_requests=hi,
+                   seed=SEED, iters=sizes["iters"], on_run=tick)  # fmt: skip
     start = START_RPS[workload]
     notes: dict[str, Any] = {}
     if split is None:  # DistServe's search: every split and per-phase TP of the budget
