@@ -6,12 +6,12 @@ import math
 
 import pytest
 
-from kvbalance.cluster.core import Cluster, Member
+from kvbalance.cluster.core import Cluster, Member, sim_member
 from kvbalance.cluster.topology import Topology
 from kvbalance.cluster.utilization import busy_fraction_series, hot_spot_ratio
 from kvbalance.request import RequestState
 from kvbalance.sim.loop import simulate_instance
-from kvbalance.sim.run import SimulateConfig, build_instance
+from kvbalance.sim.run import SimulateConfig, build_sim_instance
 from kvbalance.specs import get_link, get_model
 from kvbalance.workloads.presets import build_requests
 
@@ -26,14 +26,12 @@ def _cfg(**kw) -> SimulateConfig:
 def _members(cfg: SimulateConfig, roles: list[str], decode_kv_tokens: int | None = None) -> list[Member]:
     out = []
     for i, role in enumerate(roles):
-        c = (
-            cfg
-            if role != "decode" or decode_kv_tokens is None
-            else cfg.model_copy(update={"kv_tokens": decode_kv_tokens})
+        small = role == "decode" and decode_kv_tokens is not None
+        out.append(
+            sim_member(
+                i, role, (i,), cfg.model_copy(update={"kv_tokens": decode_kv_tokens}) if small else cfg
+            )
         )
-        inst, _ = build_instance(c)
-        inst.name = f"{role}-{i}"
-        out.append(Member(i, role, (i,), inst))
     return out
 
 
@@ -43,7 +41,7 @@ def _requests(cfg: SimulateConfig, n: int | None = None):
 
 def test_one_colocated_member_is_exactly_simulate_instance():
     cfg = _cfg()
-    inst, _ = build_instance(cfg)
+    inst, _ = build_sim_instance(cfg)
     ref = simulate_instance(inst, _requests(cfg))
     run = Cluster(_members(cfg, ["colocated"]), Topology.build(cfg.gpu, 1)).run(_requests(cfg))
     assert [r.finish_s for r in run.requests] == [r.finish_s for r in ref.requests]

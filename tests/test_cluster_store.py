@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from kvbalance.batch import BatchPlan, ScheduledSeq
-from kvbalance.cluster.core import Cluster, Member
+from kvbalance.cluster.connector import prompt_hashes
+from kvbalance.cluster.core import Cluster, Member, sim_member
 from kvbalance.cluster.topology import Topology
 from kvbalance.kvcache.store import GlobalKVStore, StoreConfig, layerwise_pipeline_s
 from kvbalance.request import Request, RequestState, SamplingParams
-from kvbalance.sim.run import SimulateConfig, build_instance
+from kvbalance.sim.run import SimulateConfig
 from kvbalance.specs import get_model
 
 MODEL = "llama-2-7b"
@@ -18,12 +19,7 @@ BS = 16
 
 def _members(roles: list[str]) -> list[Member]:
     cfg = SimulateConfig(model=MODEL, gpu="a100-80gb", kv_tokens=20_000)
-    out = []
-    for i, role in enumerate(roles):
-        inst, _ = build_instance(cfg)
-        inst.name = f"{role}-{i}"
-        out.append(Member(i, role, (i,), inst))
-    return out
+    return [sim_member(i, role, (i,), cfg) for i, role in enumerate(roles)]
 
 
 def _store(**kw) -> GlobalKVStore:
@@ -48,12 +44,14 @@ def test_second_instance_fetches_the_prefix_the_first_computed():
     run = cluster.run(_shared_prefix_requests(4))
     assert all(r.state is RequestState.FINISHED for r in run.requests)
     r0, r1, r2, r3 = run.requests
-    assert r0.prefix_hit_tokens == 0 and r1.prefix_hit_tokens == 40 * BS  # r1 on instance 1: from the store
+    # r1 lands on instance 1 and loads the prefix from the store (external tokens, not a local hit)
+    assert [m.instance.load().external_hit_tokens for m in members] == [0, 40 * BS]
+    assert r0.prefix_hit_tokens == r1.prefix_hit_tokens == 0
     fetched = {f.req.request_id for f in cluster.store.fetches}
     assert fetched == {"r1"}  # r2, r3 find the prefix in their own instance's cache
     assert r2.prefix_hit_tokens == r3.prefix_hit_tokens == 40 * BS
     assert cluster.store.fetched_blocks == 40
-    assert all(store.pinned(h) == 0 for h in run.requests[0]._block_hashes)
+    assert all(store.pinned(h) == 0 for h in prompt_hashes(r0, BS, r0.num_prompt_tokens))
     for m in members:
         assert m.instance.cache.protected_blocks == 0
         assert m.instance.pool.num_used == m.instance.cache.num_cached_blocks
@@ -78,14 +76,15 @@ def test_fetch_delay_is_what_the_layerwise_pipeline_adds_over_compute(overlap):
     else:
         expect = fetch
     assert f.done_s - f.start_s == pytest.approx(expect)
-    assert f.req.first_scheduled_s == pytest.approx(f.done_s)  # queued only when the fetch landed
+    assert f.req.first_scheduled_s == f.start_s  # admitted holding its blocks, waiting for its KV
+    assert f.req.token_times_s[0] > f.done_s  # its prompt is computed only after the fetch landed
 
 
 def test_pd_with_store_conserves_blocks_on_every_instance():
     members = _members(["prefill", "prefill", "decode", "decode"])
     cluster = Cluster(members, Topology.build("a100-80gb", 4), router="round_robin", store=_store(),
                       check_invariants=True)  # fmt: skip
-    run = cluster.run(_shared_prefix_requests(12, gap_s=0.01))
+    run = cluster.run(_shared_prefix_requests(12, gap_s=0.3))
     assert all(r.state is RequestState.FINISHED and len(r.output_token_ids) == 6 for r in run.requests)
     assert cluster.store.fetches  # the second prefill instance fetched instead of recomputing
     for m in members:

@@ -13,7 +13,12 @@ BS = 16
 
 
 def load(name="i", waiting=0, running=0, loading=0, prefill=0, decode=0, remaining=0, kv_used=0, busy=0.0):
-    return InstanceLoad(name, waiting, running, loading, prefill, decode, remaining, kv_used, 1 << 20, busy, 0, 0)
+    return InstanceLoad(
+        name=name, num_waiting=waiting, num_running=running, num_loading=loading, queued_prefill_tokens=prefill,
+        decode_tokens=decode, remaining_output_tokens=remaining, kv_used_tokens=kv_used, kv_cached_tokens=0,
+        kv_capacity_tokens=1 << 20, busy_s=busy, num_steps=0, num_preemptions=0, admitted_tokens=0,
+        prefix_hit_tokens=0, external_hit_tokens=0,
+    )  # fmt: skip
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 8) -> Request:

@@ -15,13 +15,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvbalance.cluster.core import Cluster, ClusterRun, Member
+from kvbalance.cluster.core import Cluster, ClusterRun, sim_member
 from kvbalance.cluster.routers import ROUTERS
 from kvbalance.cluster.topology import Topology
 from kvbalance.kvcache.store import GlobalKVStore, StoreConfig
 from kvbalance.metrics.summary import summarize
 from kvbalance.request import Request
-from kvbalance.sim.run import SimulateConfig, build_instance
+from kvbalance.sim.run import SimulateConfig
 from kvbalance.specs import get_link, get_model
 
 
@@ -111,10 +111,7 @@ def build_cluster(sim: SimulateConfig, cfg: ClusterConfig, *, check_invariants: 
     gpu = 0
     for group in cfg.instances:
         for _ in range(group.count):
-            inst, _ = build_instance(sim.model_copy(update={"tp": group.tp}))
-            i = len(members)
-            inst.name = f"{group.role}-{i}"
-            members.append(Member(i, group.role, tuple(range(gpu, gpu + group.tp)), inst))
+            members.append(sim_member(len(members), group.role, tuple(range(gpu, gpu + group.tp)), sim))
             gpu += group.tp
     topo = Topology.build(sim.gpu, gpu, cfg.gpus_per_node, cfg.inter_node_link)
     store = None

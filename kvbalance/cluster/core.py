@@ -11,13 +11,12 @@ one ``InstanceDriver`` per member), so the same seed gives the same run bit for 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvbalance.cluster.holds import check_member
+from kvbalance.cluster.connector import ClusterConnector
 from kvbalance.cluster.routers import Router, build_router
 from kvbalance.cluster.topology import Topology
 from kvbalance.cluster.utilization import busy_fraction, busy_fraction_series, hot_spot_ratio
@@ -26,6 +25,7 @@ from kvbalance.kvcache.store import GlobalKVStore
 from kvbalance.metrics.timeline import Timeline
 from kvbalance.request import Request, RequestState
 from kvbalance.sim.loop import EventLoop, InstanceDriver
+from kvbalance.sim.run import SimulateConfig, build_sim_instance
 
 Role = Literal["colocated", "prefill", "decode"]
 ROLES = ("colocated", "prefill", "decode")
@@ -167,40 +167,29 @@ class Cluster:
 
             self.store = StoreConnector(self, store)
         for m in self.members:
+            conn = m.instance.scheduler.connector
+            if isinstance(conn, ClusterConnector):
+                conn.cluster, conn.member = self, m
+            elif m.role != "colocated" or self.store is not None:
+                raise ValueError(
+                    f"members: {m.name} was built without a ClusterConnector (use cluster.core.sim_member)"
+                )
+        for m in self.members:
             m.driver = InstanceDriver(
                 self.loop, m.instance, on_step=self._step_hook(m), on_finish=self._finish_hook(m)
             )
 
     # -- loads ------------------------------------------------------------------
     def load(self, m: Member) -> InstanceLoad:
-        """``Instance.load()`` plus the requests whose KV is on its way to this member."""
-        ld = m.instance.load()
-        n = out_tokens = prefill = 0
-        if self.pd is not None and m.role == "decode":
-            n, out_tokens = self.pd.incoming(m)
-        elif self.store is not None:
-            n, prefill, out_tokens = self.store.incoming(m)
-        if n:
-            ld = dataclasses.replace(
-                ld,
-                num_loading=ld.num_loading + n,
-                queued_prefill_tokens=ld.queued_prefill_tokens + prefill,
-                remaining_output_tokens=ld.remaining_output_tokens + out_tokens,
-            )
-        return ld
+        """``Instance.load()``: requests whose KV is arriving count as ``num_loading`` there."""
+        return m.instance.load()
 
     def loads(self, members: Sequence[Member]) -> list[InstanceLoad]:
         return [self.load(m) for m in members]
 
     def check_member(self, m: Member) -> None:
         """Block accounting of one member (with the P/D hand-off's holds counted as holders)."""
-        holds, extra = [], []
-        for conn in (self.pd, self.store):
-            if conn is not None:
-                h, e = conn.holds_on(m)
-                holds += h
-                extra += e
-        check_member(m.instance, holds, extra)
+        m.instance.check_invariants()  # the scheduler counts blocks held for saves and loads
 
     # -- events -----------------------------------------------------------------
     def _arrive(self, req: Request) -> None:
@@ -214,10 +203,7 @@ class Cluster:
                 self._finished(req)
                 return
             self.pd.begin_prefill(req)
-        if self.store is not None:
-            self.store.admit(m, req)
-        else:
-            m.driver.arrive(req)
+        m.driver.arrive(req)
 
     def _step_hook(self, m: Member) -> Callable:
         tl = m.timeline
@@ -254,6 +240,11 @@ class Cluster:
 
         return on_finish
 
+    def wake(self, m: Member) -> None:
+        """A transfer landed on an idle member: let it step again."""
+        if not m.driver.busy and m.instance.has_work():
+            m.driver.kick()
+
     def _finished(self, req: Request) -> None:
         if self._on_finish is not None:
             self._on_finish(req)
@@ -267,9 +258,19 @@ class Cluster:
         for req in reqs:
             self.submit(req)
         self.loop.run()
-        if self.pd is not None:
-            self.pd.check_drained()
+        for conn in (self.pd, self.store):
+            if conn is not None:
+                conn.check_drained()
         first = min((r.arrival_s for r in reqs), default=0.0)
         last = max((r.finish_s for r in reqs if r.finish_s is not None), default=first)
         span = last - first if last > first else math.inf
         return ClusterRun(reqs, self.members, dict(self.assignment), dict(self.decode_assignment), span)
+
+
+def sim_member(
+    index: int, role: Role, gpus: tuple[int, ...], sim: SimulateConfig, name: str | None = None
+) -> Member:
+    """A member on the cost model: ``sim``'s instance with ``tp = len(gpus)`` and the cluster's connector."""
+    inst, _ = build_sim_instance(sim.model_copy(update={"tp": len(gpus)}), ClusterConnector(None, role))
+    inst.name = name or f"{role}-{index}"
+    return Member(index, role, tuple(gpus), inst)

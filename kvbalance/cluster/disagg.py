@@ -1,28 +1,23 @@
 """Prefill/decode disaggregation: hand a prefilled request's KV from a prefill member to a decode member.
 
-Flow (vLLM's P/D contract): the prefill member runs the request to its first token (``max_tokens`` 1 there);
-it then keeps the request's blocks until the save lands (``request_finished`` -> hold); the decode member is
-picked by the decode router from load snapshots; the transfer starts once the decode member has room for
-the blocks (reserved there while the bytes move), takes bytes / link bandwidth + latency
-(``Topology.transfer_s``; NVLink inside a node, the network between nodes) and, with ``layerwise_transfer``,
-runs layer by layer under the prefill's last step, so only the part longer than that step shows. Transfers
-out of one prefill member go one at a time (its egress link). Until the load lands the request waits for
-its KV (counted as ``num_loading`` in the decode member's load) and is never scheduled there.
-
-Stopgap until the KV connector (``kvcache/connector.py``) is on main: the hold and the landing use the
-prefix cache directly — the prefill side holds the prompt's cached path (plus one block for a partial tail)
-and the decode side caches the landed full blocks (``cluster/holds.py``), so admission finds them as a
-prefix hit and only the partial tail block (< block_size tokens) is recomputed. TODO(connector): replace with
-``get_num_new_matched_tokens`` / ``update_state_after_alloc`` / ``request_finished`` and WAITING_FOR_KV.
+Flow (vLLM's P/D contract, through the KV connector): the prefill member runs the request to its first
+token (``max_tokens`` 1 there) and, in ``request_finished``, keeps its blocks until the save lands. The
+decode member, picked by the decode router from load snapshots, queues the request; when its blocks fit it
+is admitted with the prompt's KV as asynchronous external tokens and waits in WAITING_FOR_KV holding them.
+The transfer then takes bytes / link bandwidth + latency (``Topology.transfer_s``: NVLink inside a node,
+the network between nodes) and, with ``layerwise_transfer``, runs layer by layer under the prefill's last
+step when it can start at once, so only the part longer than that step shows. Transfers out of one
+prefill member go one at a time (its egress link). When it lands, the prefill side frees the blocks and
+the decode side runs the request: it is never decoded before its KV arrives. A request preempted on the
+decode side later recomputes (the prefill copy is gone).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from dataclasses import dataclass
 
-from kvbalance.cluster.holds import BlockHold, hold_computed, land, release
+from kvbalance.cluster.connector import prompt_hashes, report_transfers
 from kvbalance.request import Request, RequestState, SamplingParams
 
 
@@ -33,11 +28,9 @@ class Handoff:
     req: Request
     src: object  # Member
     dst: object  # Member
-    num_tokens: int  # prompt tokens whose KV moves
     ready_s: float  # the prefill step that produced it ended here
     last_step_s: float  # duration of that step (what a layer-wise transfer hides under)
-    src_hold: BlockHold | None = None  # prefill side keeps the blocks until the save lands
-    dst_blocks: list[int] = dataclasses.field(default_factory=list)  # decode-side reservation
+    num_tokens: int = 0  # prompt tokens whose KV moves (past the decode side's own prefix hit)
     start_s: float = 0.0
     done_s: float = 0.0
 
@@ -49,10 +42,11 @@ class PDConnector:
         self.cluster = cluster
         self.layerwise_transfer = layerwise_transfer
         self._sampling: dict[str, SamplingParams] = {}  # request id -> its real sampling params
-        self._queued: dict[int, deque[Handoff]] = {m.index: deque() for m in cluster.decoders}
-        self._in_flight: dict[int, list[Handoff]] = {m.index: [] for m in cluster.decoders}
+        self._pending: dict[str, Handoff] = {}  # prefilled, queued on the decode side, load not started
+        self._in_flight: dict[str, Handoff] = {}
         self._egress_free_s: dict[int, float] = {}
         self._last_step_s: dict[int, float] = {}
+        self._locks: dict[str, tuple] = {}  # rid -> (prefill cache, locked node) while its save is pending
         self.handoffs: list[Handoff] = []  # every transfer, for reports and tests
 
     # -- prefill side ---------------------------------------------------------------
@@ -68,95 +62,92 @@ class PDConnector:
     def handles(self, req: Request) -> bool:
         return req.request_id in self._sampling
 
+    def holds_for(self, src, req: Request) -> bool:
+        """Prefill side ``request_finished``: keep the blocks if the request goes on to a decode member.
+
+        Workaround: the scheduler's hold unlocks the request's prefix-cache path while keeping its block
+        references, so held cached blocks would look evictable (and fail the cache's ref-count check);
+        the hand-off locks the prompt's cached path itself until the save lands.
+        """
+        real = self._sampling.get(req.request_id)
+        if real is None or real.max_tokens <= 1:
+            return False
+        cache = src.instance.cache
+        if cache is not None:
+            hashes = prompt_hashes(req, src.instance.pool.block_size, req.num_prompt_tokens)
+            node, hit = cache.match_prefix(hashes)
+            if hit:
+                cache.lock(node)
+                self._locks[req.request_id] = (cache, node)
+        return True
+
+    def _release_hold(self, src, rid: str) -> None:
+        report_transfers(src.instance, [], [rid])  # the save landed (or is moot): the prefill side frees
+        lock = self._locks.pop(rid, None)
+        if lock is not None:
+            lock[0].unlock(lock[1])
+
     def prefill_done(self, src, req: Request) -> None:
         """The prefill member finished ``req`` (first token sampled, or rejected/aborted)."""
         req.sampling = self._sampling.pop(req.request_id)
-        done = req.state is not RequestState.FINISHED or req.finish_reason == "stop" or req.max_tokens <= 1
-        if done:
-            if req.state is RequestState.FINISHED and req.finish_reason != "stop":
-                req.finish_reason = "length"
+        if req.state is not RequestState.FINISHED or req.finish_reason == "stop" or req.max_tokens <= 1:
+            self._release_hold(src, req.request_id)  # nothing to hand off: drop any hold
             self.cluster._finished(req)
             return
         req.state, req.finish_s, req.finish_reason = RequestState.WAITING, None, None
         now = self.cluster.loop.now
-        h = Handoff(req, src, None, req.num_prompt_tokens, now, self._last_step_s.get(src.index, 0.0))
-        h.src_hold = hold_computed(src.instance, req, h.num_tokens)
+        h = Handoff(req, src, None, now, self._last_step_s.get(src.index, 0.0))
         i = self.cluster.decode_router.choose(req, self.cluster.loads(self.cluster.decoders))
         h.dst = self.cluster.decoders[i]
         self.cluster.decode_assignment[req.request_id] = h.dst.index
-        self._queued[h.dst.index].append(h)
-        self._try_start(h.dst)
+        self._pending[req.request_id] = h
+        h.dst.driver.arrive(req)
 
-    # -- transfer ------------------------------------------------------------------
-    def _try_start(self, dst) -> None:
-        queue = self._queued[dst.index]
-        inst = dst.instance
-        pool, cache = inst.pool, inst.cache
-        while queue:
-            h = queue[0]
-            need = pool.blocks_for_tokens(h.num_tokens)
-            watermark = int(inst.config.watermark * pool.num_blocks)
-            available = pool.num_free + (cache.evictable_blocks if cache is not None else 0)
-            busy = inst.has_work() or self._in_flight[dst.index]
-            if busy and (need + watermark > available or inst.scheduler.num_waiting):
-                return  # FCFS: the head waits until its blocks fit and landed requests are admitted
-            queue.popleft()
-            short = need - pool.num_free
-            if short > 0 and cache is not None:
-                cache.evict(short)
-            h.dst_blocks = pool.allocate(need)
-            self._start(h)
+    # -- decode side (connector calls) ---------------------------------------------------
+    def matched(self, dst, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        h = self._pending.get(req.request_id)
+        if h is None or h.dst is not dst:
+            return 0, False  # not a hand-off (or a recompute after preemption): compute it
+        external = req.num_prompt_tokens - num_computed_tokens
+        if external <= 0:  # the decode side caches the whole prompt already: nothing to move
+            del self._pending[req.request_id]
+            self._release_hold(h.src, req.request_id)
+            return 0, False
+        return external, True
 
-    def transfer_s(self, h: Handoff) -> float:
-        kv_bytes = h.num_tokens * h.src.instance.executor.cost_model.model.kv_bytes_per_token
-        return self.cluster.topology.transfer_s(kv_bytes, h.src.gpus, h.dst.gpus)
-
-    def _start(self, h: Handoff) -> None:
+    def start_load(self, dst, req: Request, num_tokens: int) -> None:
+        h = self._pending.pop(req.request_id)
+        h.num_tokens = num_tokens
         now = self.cluster.loop.now
         free = self._egress_free_s.get(h.src.index, 0.0)
         move = self.transfer_s(h)
-        if self.layerwise_transfer and free <= h.ready_s - h.last_step_s and now == h.ready_s:
+        if self.layerwise_transfer and now == h.ready_s and free <= h.ready_s - h.last_step_s:
             h.start_s = h.ready_s - h.last_step_s  # layer l leaves while layer l+1 computes
             h.done_s = max(h.ready_s, h.start_s + move)
         else:
             h.start_s = max(now, free)
             h.done_s = h.start_s + move
         self._egress_free_s[h.src.index] = h.done_s
-        self._in_flight[h.dst.index].append(h)
+        self._in_flight[req.request_id] = h
         self.handoffs.append(h)
         self.cluster.loop.at(h.done_s, self._land, h)
 
-    def _land(self, h: Handoff) -> None:
-        release(h.src.instance, h.src_hold)
-        self._in_flight[h.dst.index].remove(h)
-        hold = land(h.dst.instance, h.req, h.num_tokens, h.dst_blocks)
-        h.dst_blocks = []
-        # the landed blocks stay cached (evictable) and the request queues behind any preempted one: holding
-        # them locked could deadlock a preempted head that needs the memory; under that pressure they are
-        # evicted and recomputed, as any cached prefix would be
-        release(h.dst.instance, hold)
-        h.dst.driver.arrive(h.req)
+    def transfer_s(self, h: Handoff) -> float:
+        kv_bytes = h.num_tokens * h.src.instance.executor.cost_model.model.kv_bytes_per_token
+        return self.cluster.topology.transfer_s(kv_bytes, h.src.gpus, h.dst.gpus)
 
-    # -- decode side ------------------------------------------------------------------
+    def _land(self, h: Handoff) -> None:
+        rid = h.req.request_id
+        del self._in_flight[rid]
+        self._release_hold(h.src, rid)  # the save landed: the prefill side frees its blocks
+        report_transfers(h.dst.instance, [rid], [])  # the load landed: the request runs
+        self.cluster.wake(h.src)
+        self.cluster.wake(h.dst)
+
     def on_step(self, m, outcome) -> None:
         self._last_step_s[m.index] = outcome.result.duration_s
-        if m.role == "decode":
-            self._try_start(m)
-
-    def incoming(self, m) -> tuple[int, int]:
-        """(requests, output tokens still to generate) whose KV is queued for or moving to member ``m``."""
-        hs = [*self._queued[m.index], *self._in_flight[m.index]]
-        return len(hs), sum(h.req.max_tokens - h.req.num_output_tokens for h in hs)
-
-    def holds_on(self, m) -> tuple[list[BlockHold], list[int]]:
-        """Blocks the hand-off holds on member ``m``: prefill-side holds and decode-side reservations."""
-        holds = [h.src_hold for hs in self._in_flight.values() for h in hs if h.src is m and h.src_hold]
-        holds += [h.src_hold for q in self._queued.values() for h in q if h.src is m and h.src_hold]
-        extra = [b for h in self._in_flight.get(m.index, ()) for b in h.dst_blocks]
-        return holds, extra
 
     def check_drained(self) -> None:
-        stuck = [h.req.request_id for q in self._queued.values() for h in q]
-        stuck += [h.req.request_id for f in self._in_flight.values() for h in f]
-        if stuck or self._sampling:
+        stuck = [*self._pending, *self._in_flight, *self._sampling]
+        if stuck:
             raise RuntimeError(f"P/D hand-off: requests left in transfer at the end: {stuck[:5]}")

@@ -17,7 +17,7 @@ from kvbalance.cluster.topology import Topology
 from kvbalance.metrics.summary import summarize
 from kvbalance.metrics.timeline import Timeline
 from kvbalance.request import Request, RequestState
-from kvbalance.sim.run import SimulateConfig, build_instance
+from kvbalance.sim.run import SimulateConfig, build_sim_instance
 from kvbalance.theory.measure import Saturation, saturation_from_run
 from kvbalance.workloads.presets import build_requests
 
@@ -57,7 +57,7 @@ def replica_members(cfg: SimulateConfig, num_instances: int) -> list[Member]:
     """``num_instances`` colocated copies of ``cfg``'s instance, each on its own ``cfg.tp`` GPUs."""
     members = []
     for i in range(num_instances):
-        inst, _ = build_instance(cfg)
+        inst, _ = build_sim_instance(cfg)
         inst.name = f"instance-{i}"
         members.append(Member(i, "colocated", tuple(range(i * cfg.tp, (i + 1) * cfg.tp)), inst))
     return members

@@ -2,7 +2,7 @@
 
 sgl-router's cache-aware policy and Dynamo's KV router without KV events both guess each worker's cache
 from the requests routed to it. Here the guess is kept per KV block: the chained block hashes of each
-routed prompt (``kvcache.prefix.request_block_hashes``, so a hash names its whole prefix), in LRU order with
+routed prompt (``kvcache.prefix.prefix_block_hashes``, so a hash names its whole prefix), in LRU order with
 a capacity in tokens (sgl-router's ``max_tree_size``). A match walks the new prompt's hashes while they are
 present, so it is the longest cached prefix, in whole blocks.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvbalance.kvcache.prefix import request_block_hashes
+from kvbalance.kvcache.prefix import prefix_block_hashes
 from kvbalance.request import Request
 
 
@@ -30,7 +30,7 @@ class ApproxPrefixIndex:
         return len(self._lru) * self.block_size
 
     def prompt_hashes(self, req: Request) -> list[int]:
-        return request_block_hashes(req, self.block_size, req.num_prompt_tokens)
+        return prefix_block_hashes(req.prompt_token_ids, self.block_size)
 
     def match_blocks(self, hashes: list[int]) -> int:
         n = 0
