@@ -66,4 +66,4 @@ class ClusterConnector:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         pd = self.cluster.pd
-        return self.role == "prefill" and pd is not None and pd.holds_for(self.member, request)
+        return self.role == "prefill" and pd is not None and pd.holds_for(self.member, request, block_ids)

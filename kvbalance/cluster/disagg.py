@@ -47,6 +47,7 @@ class PDConnector:
         self._egress_free_s: dict[int, float] = {}
         self._last_step_s: dict[int, float] = {}
         self._locks: dict[str, tuple] = {}  # rid -> (prefill cache, locked node) while its save is pending
+        self._src_blocks: dict[str, list[int]] = {}  # rid -> its block table on the prefill side (held)
         self.handoffs: list[Handoff] = []  # every transfer, for reports and tests
 
     # -- prefill side ---------------------------------------------------------------
@@ -62,7 +63,7 @@ class PDConnector:
     def handles(self, req: Request) -> bool:
         return req.request_id in self._sampling
 
-    def holds_for(self, src, req: Request) -> bool:
+    def holds_for(self, src, req: Request, block_ids: list[int]) -> bool:
         """Prefill side ``request_finished``: keep the blocks if the request goes on to a decode member.
 
         Workaround: the scheduler's hold unlocks the request's prefix-cache path while keeping its block
@@ -72,6 +73,7 @@ class PDConnector:
         real = self._sampling.get(req.request_id)
         if real is None or real.max_tokens <= 1:
             return False
+        self._src_blocks[req.request_id] = list(block_ids)
         cache = src.instance.cache
         if cache is not None:
             hashes = prompt_hashes(req, src.instance.pool.block_size, req.num_prompt_tokens)
@@ -83,6 +85,7 @@ class PDConnector:
 
     def _release_hold(self, src, rid: str) -> None:
         report_transfers(src.instance, [], [rid])  # the save landed (or is moot): the prefill side frees
+        self._src_blocks.pop(rid, None)
         lock = self._locks.pop(rid, None)
         if lock is not None:
             lock[0].unlock(lock[1])
@@ -133,12 +136,29 @@ class PDConnector:
         self.cluster.loop.at(h.done_s, self._land, h)
 
     def transfer_s(self, h: Handoff) -> float:
-        kv_bytes = h.num_tokens * h.src.instance.executor.cost_model.model.kv_bytes_per_token
-        return self.cluster.topology.transfer_s(kv_bytes, h.src.gpus, h.dst.gpus)
+        ex = h.src.instance.executor
+        if hasattr(ex, "cost_model"):
+            per_token = ex.cost_model.model.kv_bytes_per_token
+        else:  # a real executor: its KV tensor's bytes per block
+            per_token = ex.kv_bytes_per_block / h.src.instance.pool.block_size
+        return self.cluster.topology.transfer_s(h.num_tokens * per_token, h.src.gpus, h.dst.gpus)
+
+    def _move_blocks(self, h: Handoff) -> None:
+        """Real executors: copy the prompt's KV blocks from the prefill's held table to the decode's table."""
+        src, dst = h.src.instance.executor, h.dst.instance.executor
+        if not (hasattr(src, "read_blocks") and hasattr(dst, "write_blocks")):
+            return  # simulated: the bytes are the transfer time
+        bs = h.src.instance.pool.block_size
+        first = (h.req.num_prompt_tokens - h.num_tokens) // bs  # the decode side's own hit ends on a block
+        last = -(-h.req.num_prompt_tokens // bs)
+        table = self._src_blocks[h.req.request_id]
+        dst.write_blocks(h.req.block_ids[first:last], src.read_blocks(table[first:last]))
 
     def _land(self, h: Handoff) -> None:
         rid = h.req.request_id
         del self._in_flight[rid]
+        if h.req.state is RequestState.WAITING_FOR_KV:
+            self._move_blocks(h)
         self._release_hold(h.src, rid)  # the save landed: the prefill side frees its blocks
         report_transfers(h.dst.instance, [rid], [])  # the load landed: the request runs
         self.cluster.wake(h.src)
