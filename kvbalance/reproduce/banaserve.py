@@ -40,7 +40,7 @@ SEED = 0
 # summarisation SLOs are loose on TTFT for the same reason), TPOT stays 0.1 s (reading speed).
 SLOS = {"alpaca": (0.25, 0.1), "longbench": (1.5, 0.1)}
 ARRIVALS = {"poisson": ("poisson", 1.0), "bursty": ("gamma", 4.0)}
-START_RPS = {"alpaca": 16.0, "longbench": 2.0}
+START_RPS = {"alpaca": 64.0, "longbench": 4.0}
 SYSTEMS = (
     "vllm",
     "distserve",
@@ -60,7 +60,7 @@ PAPER = {  # BanaServe's reported ranges
 def _sizes(quick: bool) -> dict[str, Any]:
     # per workload: (arrival span s, min requests, max requests); "prefill": GPUs given to prefill tried
     if quick:
-        n = {"alpaca": (3.0, 60, 1500), "longbench": (12.0, 40, 200)}
+        n = {"alpaca": (2.0, 100, 5000), "longbench": (12.0, 40, 400)}
         return {"models": ("llama-13b",), "n": n, "iters": 3, "tps": (1,), "prefill": range(2, 7)}
     n = {"alpaca": (20.0, 200, 8000), "longbench": (60.0, 100, 1000)}
     return {"models": ("llama-13b", "opt-13b"), "n": n, "iters": 5, "tps": (1, 2), "prefill": range(1, 8)}
