@@ -248,6 +248,43 @@ LINKS: dict[str, LinkSpec] = {
 # ----------------------------------------------------------------------------------------------
 
 MIB = 1 << 20
+_NON_NEGATIVE = (
+    "compute_half_tokens",
+    "memory_half_bytes",
+    "step_overhead_s",
+    "per_layer_overhead_s",
+    "kernel_latency_s",
+    "host_overhead_per_seq_s",
+    "host_overhead_per_token_s",
+    "host_overhead_tp_s",
+)
+
+
+# Element-wise operator classes with their own fitted memory curve (``HardwareSpec.elementwise_curves``);
+# the KV-cache write has no profile of its own and follows the rotary curve (the same per-token rows of heads).
+ELEMENTWISE_CLASSES = ("embedding", "norm", "rope", "activation", "residual_add")
+
+
+@dataclass(frozen=True)
+class MemoryCurve:
+    """A memory-bound kernel class: ``bytes * (tokens + half_tokens) / (tokens * bw * eff) + latency_s``.
+
+    ``eff`` is the saturated fraction of peak bandwidth (it may exceed 1 where the tensors stay in L2),
+    ``half_tokens`` the token count at which the kernel reaches half of it (one thread block per token: few
+    tokens leave SMs idle), ``latency_s`` the kernel's fixed time.
+    """
+
+    eff: float
+    half_tokens: float = 0.0
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.eff <= 4.0:
+            raise ValueError(f"eff: must be in (0, 4], got {self.eff!r}")
+        if self.half_tokens < 0 or self.latency_s < 0:
+            raise ValueError(
+                f"half_tokens, latency_s: must be >= 0, got {self.half_tokens!r}, {self.latency_s!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -262,6 +299,12 @@ class HardwareSpec:
     ``attention_eff_ratio`` times the GEMM compute fraction, and read the KV cache at
     ``kv_memory_eff_ratio`` times the streaming bandwidth fraction (1 on GPUs by default; on a CPU the
     paged, scattered KV reads and the weight streams reach very different rates, so it is fitted).
+
+    Fitted GPU presets (``kvbalance calibrate``) add: ``kernel_latency_s``, the fixed time of every GEMM and
+    attention kernel; ``elementwise_curves``, a :class:`MemoryCurve` per element-wise class
+    (``ELEMENTWISE_CLASSES``; a class left out uses the streaming formula above); and the engine's host time
+    per step, ``step_overhead_s + host_overhead_per_seq_s * seqs + host_overhead_per_token_s * tokens``, plus
+    ``host_overhead_tp_s`` when tensor parallel workers must be synchronised.
     """
 
     name: str
@@ -274,8 +317,13 @@ class HardwareSpec:
     memory_half_bytes: float = 1.0 * MIB
     attention_eff_ratio: float = 0.8
     kv_memory_eff_ratio: float = 1.0
-    step_overhead_s: float = 1.0e-3  # scheduling, sampling, launch of one step
+    step_overhead_s: float = 1.0e-3  # scheduling, sampling, launch of one step (host, fixed part)
     per_layer_overhead_s: float = 8.0e-6  # kernel launch gaps per transformer layer
+    kernel_latency_s: float = 0.0  # fixed time of each GEMM / attention kernel
+    host_overhead_per_seq_s: float = 0.0  # host time per sequence in the batch (inputs, sampling, outputs)
+    host_overhead_per_token_s: float = 0.0  # host time per scheduled token
+    host_overhead_tp_s: float = 0.0  # extra host time per step when tp > 1 (worker synchronisation)
+    elementwise_curves: dict[str, MemoryCurve] = field(default_factory=dict, hash=False)
     tp_link: LinkSpec = field(default_factory=lambda: LINKS["nvlink"])  # intra-node link used by TP
     kind: str = "gpu"  # "gpu" or "cpu"
     source: str = ""
@@ -291,11 +339,31 @@ class HardwareSpec:
             raise ValueError(
                 f"kv_memory_eff_ratio: must be in (0, 10], got {self.kv_memory_eff_ratio!r} (hardware {self.name!r})"
             )
-        for f in ("compute_half_tokens", "memory_half_bytes", "step_overhead_s", "per_layer_overhead_s"):
+        for f in _NON_NEGATIVE:
             if getattr(self, f) < 0:
                 raise ValueError(f"{f}: must be >= 0, got {getattr(self, f)!r} (hardware {self.name!r})")
         if self.kind not in ("gpu", "cpu"):
             raise ValueError(f"kind: must be 'gpu' or 'cpu', got {self.kind!r} (hardware {self.name!r})")
+        for cls, curve in self.elementwise_curves.items():
+            if cls not in ELEMENTWISE_CLASSES:
+                raise ValueError(
+                    f"elementwise_curves: unknown class {cls!r} (known: {', '.join(ELEMENTWISE_CLASSES)}) "
+                    f"(hardware {self.name!r})"
+                )
+            if not isinstance(curve, MemoryCurve):
+                raise ValueError(
+                    f"elementwise_curves: {cls!r} must be a MemoryCurve (hardware {self.name!r})"
+                )
+
+    def host_overhead_s(self, num_seqs: int, num_tokens: int, tp: int = 1) -> float:
+        """Engine host time of one step over ``num_seqs`` sequences and ``num_tokens`` tokens."""
+        extra = self.host_overhead_tp_s if tp > 1 else 0.0
+        return (
+            self.step_overhead_s
+            + extra
+            + self.host_overhead_per_seq_s * num_seqs
+            + self.host_overhead_per_token_s * num_tokens
+        )
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -328,6 +396,16 @@ class HardwareSpec:
             d["tp_link"] = LinkSpec(**link)
         if "mem_capacity_bytes" in d:
             d["mem_capacity_bytes"] = int(d["mem_capacity_bytes"])
+        curves = d.get("elementwise_curves")
+        if curves is not None:
+            if not isinstance(curves, dict):
+                raise ValueError(f"elementwise_curves: expected a mapping, got {type(curves).__name__}")
+            try:
+                d["elementwise_curves"] = {
+                    k: v if isinstance(v, MemoryCurve) else MemoryCurve(**v) for k, v in curves.items()
+                }
+            except TypeError as e:
+                raise ValueError(f"elementwise_curves: {e} (fields: eff, half_tokens, latency_s)") from None
         try:
             return cls(**d)
         except TypeError as e:  # a required field is missing

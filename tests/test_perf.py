@@ -5,16 +5,16 @@ import json
 import numpy as np
 import pytest
 
-from kvbalance.executor.base import BatchPlan, ScheduledSeq
+from kvbalance.batch import BatchPlan, ScheduledSeq
 from kvbalance.perf.calibrate import cpu_base_spec, fit_hardware, predict_samples
 from kvbalance.perf.cost import (
     CostModel,
     activation_reserve_bytes,
     breakdown_total_s,
     kv_capacity_tokens,
-    step_cost_report,
     transfer_time,
 )
+from kvbalance.perf.report import step_cost_report
 from kvbalance.request import Request
 from kvbalance.specs import get_gpu, get_link, get_model
 

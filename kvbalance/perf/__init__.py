@@ -9,9 +9,9 @@ from kvbalance.perf.cost import (
     allreduce_time,
     breakdown_total_s,
     kv_capacity_tokens,
-    step_cost_report,
     transfer_time,
 )
+from kvbalance.perf.report import step_cost_report
 
 __all__ = [
     "CalibrationResult",
