@@ -257,33 +257,48 @@ _NON_NEGATIVE = (
     "host_overhead_per_seq_s",
     "host_overhead_per_token_s",
     "host_overhead_tp_s",
+    "l2_cache_bytes",
 )
 
 
-# Element-wise operator classes with their own fitted memory curve (``HardwareSpec.elementwise_curves``);
-# the KV-cache write has no profile of its own and follows the rotary curve (the same per-token rows of heads).
-ELEMENTWISE_CLASSES = ("embedding", "norm", "rope", "activation", "residual_add")
+# Element-wise kernel classes with their own fitted memory curve (``HardwareSpec.elementwise_curves``): RMSNorm
+# (``norm``) and LayerNorm, SwiGLU (``activation``) and a plain activation (GELU/ReLU) are different kernels.
+# The KV-cache write has no profile of its own and follows the rotary curve (the same per-token rows of heads).
+ELEMENTWISE_CLASSES = (
+    "embedding",
+    "norm",
+    "layer_norm",
+    "rope",
+    "activation",
+    "activation_ungated",
+    "residual_add",
+)
 
 
 @dataclass(frozen=True)
 class MemoryCurve:
-    """A memory-bound kernel class: ``bytes * (tokens + half_tokens) / (tokens * bw * eff) + latency_s``.
+    """A memory-bound kernel class: ``bytes * max(tokens, sat_tokens) / (tokens * bw * e(bytes)) + latency_s``,
+    ``e(bytes) = eff + l2_eff_gain * L2 / (L2 + bytes)`` with ``L2 = HardwareSpec.l2_cache_bytes``.
 
-    ``eff`` is the saturated fraction of peak bandwidth (it may exceed 1 where the tensors stay in L2),
-    ``half_tokens`` the token count at which the kernel reaches half of it (one thread block per token: few
-    tokens leave SMs idle), ``latency_s`` the kernel's fixed time.
+    ``eff`` is the fraction of peak DRAM bandwidth reached on large tensors, ``l2_eff_gain`` what tensors that
+    stay in L2 add to it (negative where the kernel is slower there); below ``sat_tokens`` tokens the kernel
+    takes as long as at ``sat_tokens`` (one thread block per token: fewer tokens leave SMs idle);
+    ``latency_s`` is the kernel's fixed time.
     """
 
     eff: float
-    half_tokens: float = 0.0
+    sat_tokens: float = 0.0
     latency_s: float = 0.0
+    l2_eff_gain: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.eff <= 4.0:
             raise ValueError(f"eff: must be in (0, 4], got {self.eff!r}")
-        if self.half_tokens < 0 or self.latency_s < 0:
+        if not 0 < self.eff + self.l2_eff_gain <= 8.0:
+            raise ValueError(f"l2_eff_gain: eff + l2_eff_gain must be in (0, 8], got {self.l2_eff_gain!r}")
+        if self.sat_tokens < 0 or self.latency_s < 0:
             raise ValueError(
-                f"half_tokens, latency_s: must be >= 0, got {self.half_tokens!r}, {self.latency_s!r}"
+                f"sat_tokens, latency_s: must be >= 0, got {self.sat_tokens!r}, {self.latency_s!r}"
             )
 
 
@@ -324,6 +339,7 @@ class HardwareSpec:
     host_overhead_per_token_s: float = 0.0  # host time per scheduled token
     host_overhead_tp_s: float = 0.0  # extra host time per step when tp > 1 (worker synchronisation)
     elementwise_curves: dict[str, MemoryCurve] = field(default_factory=dict, hash=False)
+    l2_cache_bytes: float = 0.0  # last-level cache (datasheet); 0: the curves see no cache term
     tp_link: LinkSpec = field(default_factory=lambda: LINKS["nvlink"])  # intra-node link used by TP
     kind: str = "gpu"  # "gpu" or "cpu"
     source: str = ""
@@ -405,7 +421,9 @@ class HardwareSpec:
                     k: v if isinstance(v, MemoryCurve) else MemoryCurve(**v) for k, v in curves.items()
                 }
             except TypeError as e:
-                raise ValueError(f"elementwise_curves: {e} (fields: eff, half_tokens, latency_s)") from None
+                raise ValueError(
+                    f"elementwise_curves: {e} (fields: eff, sat_tokens, latency_s, l2_eff_gain)"
+                ) from None
         try:
             return cls(**d)
         except TypeError as e:  # a required field is missing

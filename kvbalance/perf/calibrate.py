@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbalance.perf.cost import ATTENTION, ELEMENTWISE_CLASS, OP_NAMES, CostModel, SeqWork
+from kvbalance.perf.cost import ATTENTION, OP_NAMES, CostModel, SeqWork, curve_eff
 from kvbalance.specs import HardwareSpec, ModelSpec, get_link, get_model
 
 # (seqs of the step, measured seconds)
@@ -88,7 +88,7 @@ class _Features:
         self.num_seqs = np.array([len(seqs) for seqs, _ in samples], dtype=float)
         self.num_tokens = np.array([sum(s[0] for s in seqs) for seqs, _ in samples], dtype=float)
         self.attention = np.array([name.startswith("attn") for name in OP_NAMES])
-        self.curve = [ELEMENTWISE_CLASS.get(name, "") for name in OP_NAMES]
+        self.curve = [""] * k
         for i, (seqs, _) in enumerate(samples):
             ops = cm.op_counts(seqs)
             for op in ops:
@@ -98,6 +98,7 @@ class _Features:
                 self.bytes[i, j] = op.bytes
                 self.size[i, j] = max(op.size_tokens, 1.0)
                 self.repeat[i, j] = op.repeat
+                self.curve[j] = op.curve
             self.comm[i] = cm.comm_s(sum(s[0] for s in seqs))
         self.has_bytes = self.bytes > 0
         self.num_layers = cm.model.num_layers
@@ -120,7 +121,9 @@ class _Features:
             if c is not None:
                 sz = self.size[:, j]
                 streaming[:, j] = (
-                    self.bytes[:, j] * (sz + c.half_tokens) / (sz * hw.mem_bandwidth_bytes_s * c.eff)
+                    self.bytes[:, j]
+                    * np.maximum(sz, c.sat_tokens)
+                    / (sz * hw.mem_bandwidth_bytes_s * curve_eff(c, self.bytes[:, j], hw))
                 )
         memory = np.where(self.has_bytes, streaming, 0.0)
         ops = ((np.maximum(compute, memory) + latency) * self.repeat).sum(axis=1)

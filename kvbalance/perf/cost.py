@@ -22,7 +22,7 @@ from kvbalance.perf.memory import (  # noqa: F401  (re-exported: callers import 
     kv_heads_per_rank,
     validate_tp,
 )
-from kvbalance.specs import HardwareSpec, LinkSpec, ModelSpec, get_gpu, get_link, get_model
+from kvbalance.specs import HardwareSpec, LinkSpec, MemoryCurve, ModelSpec, get_gpu, get_link, get_model
 
 # (num_new_tokens, context_len_after_step, samples)
 SeqWork = tuple[int, int, bool]
@@ -46,17 +46,22 @@ OP_NAMES = (
     "final_norm",
     "lm_head",
 )
-# The element-wise class (HardwareSpec.elementwise_curves key) of each element-wise operator. The KV-cache
-# write has no profile of its own: it follows the rotary kernel's curve (the same per-token rows of heads).
-ELEMENTWISE_CLASS = {
-    "embedding": "embedding",
-    "norm": "norm",
-    "final_norm": "norm",
-    "rope": "rope",
-    "kv_write": "rope",
-    "activation": "activation",
-    "residual_add": "residual_add",
-}
+ELEMENTWISE_OPS = ("embedding", "norm", "final_norm", "rope", "kv_write", "activation", "residual_add")
+
+
+def elementwise_class(op: str, arch: str = "llama") -> str:
+    """The element-wise class (HardwareSpec.elementwise_curves key) of operator ``op`` in a model of ``arch``:
+    llama runs RMSNorm and SwiGLU, opt LayerNorm and a plain activation. The KV-cache write has no profile of
+    its own: it follows the rotary kernel's curve (the same per-token rows of heads)."""
+    if op in ("norm", "final_norm"):
+        return "norm" if arch == "llama" else "layer_norm"
+    if op == "activation":
+        return "activation" if arch == "llama" else "activation_ungated"
+    if op == "kv_write":
+        return "rope"
+    if op in ELEMENTWISE_OPS:
+        return op
+    raise ValueError(f"op: {op!r} is not an element-wise operator (known: {', '.join(ELEMENTWISE_OPS)})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +74,7 @@ class OpCount:
     bytes: float
     size_tokens: float  # the M dimension (tokens) that sets the compute efficiency
     repeat: int = 1
+    curve: str = ""  # element-wise class (HardwareSpec.elementwise_curves key); "" for GEMMs and attention
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +122,8 @@ def compute_time_s(flops: float, size_tokens: float, hw: HardwareSpec, kind: str
 def memory_time_s(
     num_bytes: float, hw: HardwareSpec, kind: str = GEMM, size_tokens: float = 1.0, curve: str = ""
 ) -> float:
-    """Element-wise class ``curve`` with a fitted :class:`MemoryCurve`: bytes * (T + T_half) / (T * bw * eff).
+    """Element-wise class ``curve`` with a fitted :class:`MemoryCurve`: bytes * max(T, T_sat) / (T * bw * e),
+    e = :func:`curve_eff`.
     Otherwise bytes / (bw * eff_m(bytes)), eff_m(b) = eff_max * b / (b + b_half); attention's KV reads scaled
     by ``kv_memory_eff_ratio``."""
     if num_bytes <= 0:
@@ -124,9 +131,16 @@ def memory_time_s(
     c = hw.elementwise_curves.get(curve) if curve else None
     if c is not None:
         x = max(size_tokens, 1.0)
-        return num_bytes * (x + c.half_tokens) / (x * hw.mem_bandwidth_bytes_s * c.eff)
+        return num_bytes * max(x, c.sat_tokens) / (x * hw.mem_bandwidth_bytes_s * curve_eff(c, num_bytes, hw))
     eff = hw.memory_eff_max * (hw.kv_memory_eff_ratio if kind == ATTENTION else 1.0)
     return (num_bytes + hw.memory_half_bytes) / (hw.mem_bandwidth_bytes_s * eff)
+
+
+def curve_eff(c: MemoryCurve, num_bytes, hw: HardwareSpec):
+    """A class's bandwidth fraction for a launch moving ``num_bytes``: eff + gain * L2 / (L2 + bytes)."""
+    if hw.l2_cache_bytes <= 0 or c.l2_eff_gain == 0:
+        return c.eff
+    return c.eff + c.l2_eff_gain * hw.l2_cache_bytes / (hw.l2_cache_bytes + num_bytes)
 
 
 def kernel_latency_s(hw: HardwareSpec, kind: str, curve: str = "") -> float:
@@ -139,7 +153,7 @@ def kernel_latency_s(hw: HardwareSpec, kind: str, curve: str = "") -> float:
 
 def op_time(op: OpCount, hw: HardwareSpec) -> OpTime:
     r = op.repeat
-    curve = ELEMENTWISE_CLASS.get(op.name, "") if op.kind == ELEMENTWISE else ""
+    curve = op.curve
     return OpTime(
         name=op.name,
         kind=op.kind,
@@ -263,6 +277,28 @@ class CostModel:
         )
 
     # -- operator counts -------------------------------------------------------------------------
+    def _elementwise(self, tokens: float) -> dict[str, tuple[float, float]]:
+        gated = self.model.arch == "llama"
+        return elementwise_counts(
+            tokens, self._h, self._q_r, self._kv_r, self._inter_r, self._dt, gated, self._norm_params
+        )
+
+    def kernel(self, name: str, tokens: float) -> OpCount:
+        """One launch of the weight GEMM or element-wise operator ``name`` over ``tokens`` tokens (what a
+        per-operator profile measures; calibration evaluates the model on exactly these shapes)."""
+        if name in self._gemms:
+            k, n, b = self._gemms[name]
+            return self._gemm(name, float(tokens), k, n, b)
+        if name == "lm_head":
+            return self._gemm(name, float(tokens), self._h, self._vocab_r)
+        if name not in ELEMENTWISE_OPS:
+            known = ", ".join([*self._gemms, "lm_head", *ELEMENTWISE_OPS])
+            raise ValueError(f"op: {name!r} is not a GEMM or element-wise operator (known: {known})")
+        flops, num_bytes = self._elementwise(float(tokens))["norm" if name == "final_norm" else name]
+        return OpCount(
+            name, ELEMENTWISE, flops, num_bytes, float(tokens), 1, elementwise_class(name, self.model.arch)
+        )
+
     def _gemm(self, name: str, tokens: float, k: int, n: int, bias: int = 0, repeat: int = 1) -> OpCount:
         return gemm_count(name, tokens, k, n, self._dt, bias, repeat)
 
@@ -295,13 +331,11 @@ class CostModel:
         if tokens == 0:
             return []
         T = float(tokens)
-        ew = elementwise_counts(
-            T, self._h, self._q_r, self._kv_r, self._inter_r, dt, m.arch == "llama", self._norm_params
-        )
+        ew = self._elementwise(T)
 
-        def elementwise(name: str, repeat: int, cls: str | None = None) -> OpCount:
-            flops, num_bytes = ew[cls or name]
-            return OpCount(name, ELEMENTWISE, flops, num_bytes, T, repeat)
+        def elementwise(name: str, repeat: int, counts: str | None = None) -> OpCount:
+            flops, num_bytes = ew[counts or name]
+            return OpCount(name, ELEMENTWISE, flops, num_bytes, T, repeat, elementwise_class(name, m.arch))
 
         ops = [elementwise("embedding", 1), elementwise("norm", 2 * L)]
         k, n_, b = self._gemms["qkv_proj"]
