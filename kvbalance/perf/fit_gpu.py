@@ -185,7 +185,8 @@ def fit_link(samples: Sequence[AllReduceSample], base: LinkSpec, name: str) -> L
         return allreduce_predict(samples, LinkSpec("fit", x[0], x[1]))
 
     x = fit_log_least_squares(predict, t, (base.bandwidth_bytes_s, 1e-5), (1e8, 0), (1e13, 1e-2))
-    note = f"{base.note}; latency and bandwidth fitted on {len(samples)} NCCL all-reduce times ({samples[0].topology})"
+    datasheet = base.note.split("; latency and bandwidth fitted")[0]  # a re-fit starts from the datasheet note
+    note = f"{datasheet}; latency and bandwidth fitted on {len(samples)} NCCL all-reduce times ({samples[0].topology})"
     return LinkSpec(name, float(x[0]), float(x[1]), note)
 
 
@@ -268,7 +269,8 @@ def fit_gpu(
     if host:
         hw = hw.with_(**fit_host(host))
     if allreduce:
-        hw = hw.with_(tp_link=fit_link(allreduce, hw.tp_link, f"{hw.tp_link.name}-fitted"))
+        link_name = hw.tp_link.name.removesuffix("-fitted") + "-fitted"
+        hw = hw.with_(tp_link=fit_link(allreduce, hw.tp_link, link_name))
     pred = predict_operator_samples(ops, hw)
     errors = operator_errors(ops, pred)
     gemm = next(e for e in errors if e.op_class == "gemm" and e.tokens == "all")
