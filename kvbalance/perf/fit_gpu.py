@@ -138,13 +138,20 @@ def fit_elementwise(samples: Sequence[OperatorSample], hw: HardwareSpec) -> dict
             continue
         k = _kernels(kernel_counts(sel, hw), sel)
         cache = hw.l2_cache_bytes > 0  # fit the L2 gain only where the GPU's cache size is known
-        x = fit_log_least_squares(
-            _curve_model(k, hw),
-            k.time_s,
-            (0.5, 16.0, 2e-6, 0.2 if cache else 0.0),
-            (1e-3, 0, 0, -1.0 if cache else 0.0),
-            (4, 1e5, 1e-3, 4.0 if cache else 1e-12),
-        )
+        predict = _curve_model(k, hw)
+        best, best_cost = None, np.inf
+        for sat in (16.0, 128.0, 1024.0):  # the max() kink has local minima: start on both sides of it
+            x = fit_log_least_squares(
+                predict,
+                k.time_s,
+                (0.5, sat, 2e-6, 0.2 if cache else 0.0),
+                (1e-3, 0, 0, -1.0 if cache else 0.0),
+                (4, 1e5, 1e-3, 4.0 if cache else 1e-12),
+            )
+            cost = float(np.sum((np.log(predict(x)) - np.log(k.time_s)) ** 2))
+            if cost < best_cost:
+                best, best_cost = x, cost
+        x = best
         gain = max(float(x[3]), 1e-3 - float(x[0])) if cache else 0.0
         curves[cls] = MemoryCurve(float(x[0]), float(x[1]), float(x[2]), l2_eff_gain=gain)
     return curves
@@ -185,7 +192,9 @@ def fit_link(samples: Sequence[AllReduceSample], base: LinkSpec, name: str) -> L
         return allreduce_predict(samples, LinkSpec("fit", x[0], x[1]))
 
     x = fit_log_least_squares(predict, t, (base.bandwidth_bytes_s, 1e-5), (1e8, 0), (1e13, 1e-2))
-    datasheet = base.note.split("; latency and bandwidth fitted")[0]  # a re-fit starts from the datasheet note
+    datasheet = base.note.split("; latency and bandwidth fitted")[
+        0
+    ]  # a re-fit starts from the datasheet note
     note = f"{datasheet}; latency and bandwidth fitted on {len(samples)} NCCL all-reduce times ({samples[0].topology})"
     return LinkSpec(name, float(x[0]), float(x[1]), note)
 
@@ -275,8 +284,9 @@ def fit_gpu(
     errors = operator_errors(ops, pred)
     gemm = next(e for e in errors if e.op_class == "gemm" and e.tokens == "all")
     note = (
-        f"{base.name}: datasheet peaks ({base.source.split('.')[0]}); efficiency curves, kernel latency, "
-        f"host overhead and TP link fitted by kvbalance calibrate on {len(ops)} operator times"
+        f"{base.name}: datasheet peaks ({base.source.split('.')[0]}); efficiency curves and kernel latency"
+        f"{', host overhead' if host else ''}{', TP link' if allreduce else ''} fitted by kvbalance calibrate"
+        f" on {len(ops)} operator times"
         f"{f', {len(host)} host-overhead steps' if host else ''}"
         f"{f', {len(allreduce)} all-reduces' if allreduce else ''} ({source or 'given samples'}); GEMM error "
         f"median {gemm.median:.1%}, worst {gemm.worst:.1%}. Attention is not in the data: "
