@@ -19,6 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("--network", help="all-reduce topology folder, or 'none' (default: h100_dgx for h100-sxm)")
     p.add_argument("--host", default="a40", help="host-overhead folder, or 'none' (default a40)")
     p.add_argument("--report", help="folder for points.csv, errors.json and the fidelity plots")
+    p.add_argument("--no-plots", action="store_true", help="with --report: the CSV and JSON only")
     p.add_argument(
         "--totals", action="store_true", help="print each class's total only, not its token ranges"
     )
@@ -76,6 +77,6 @@ def run(args) -> int:
         print(format_errors("all-reduce error by message bytes:", rows(result.link_errors)))
     print(f"wrote {args.out}")
     if args.report:
-        for path in write_report(result, args.report):
+        for path in write_report(result, args.report, plots=not args.no_plots):
             print(f"wrote {path}")
     return 0

@@ -108,10 +108,10 @@ def plot(result: FitResult, out: Path) -> list[Path]:
     return paths
 
 
-def write_report(result: FitResult, out: str | Path) -> list[Path]:
-    """Write ``points.csv``, ``errors.json`` and the two plots under ``out``; returns the files written."""
+def write_report(result: FitResult, out: str | Path, plots: bool = True) -> list[Path]:
+    """Write ``points.csv``, ``errors.json`` and (``plots``) the two plots under ``out``; returns the files."""
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
     write_points(result, d / "points.csv")
     (d / "errors.json").write_text(json.dumps(summary(result), indent=2) + "\n")
-    return [d / "points.csv", d / "errors.json", *plot(result, d)]
+    return [d / "points.csv", d / "errors.json", *(plot(result, d) if plots else [])]
