@@ -268,6 +268,11 @@ class CostModel:
             "mlp_down": (self._inter_r, self._h, bias_down),
         }
         self.overhead_s = self.host_overhead_s(0, 0)
+        self._ew_class = {name: elementwise_class(name, m.arch) for name in ELEMENTWISE_OPS}
+        # per (kind, curve): the kernel latency and the class curve (None: the streaming formula)
+        self._latency = {(k, c): kernel_latency_s(self.gpu, k, c) for k in (GEMM, ATTENTION) for c in ("",)}
+        for c in set(self._ew_class.values()):
+            self._latency[(ELEMENTWISE, c)] = kernel_latency_s(self.gpu, ELEMENTWISE, c)
 
     def host_overhead_s(self, num_seqs: int, num_tokens: int) -> float:
         """Overhead of a step over ``num_seqs`` sequences and ``num_tokens`` tokens outside the kernels: the
@@ -333,9 +338,11 @@ class CostModel:
         T = float(tokens)
         ew = self._elementwise(T)
 
+        classes = self._ew_class
+
         def elementwise(name: str, repeat: int, counts: str | None = None) -> OpCount:
             flops, num_bytes = ew[counts or name]
-            return OpCount(name, ELEMENTWISE, flops, num_bytes, T, repeat, elementwise_class(name, m.arch))
+            return OpCount(name, ELEMENTWISE, flops, num_bytes, T, repeat, classes[name])
 
         ops = [elementwise("embedding", 1), elementwise("norm", 2 * L)]
         k, n_, b = self._gemms["qkv_proj"]
@@ -386,19 +393,23 @@ class CostModel:
         ops = self.op_counts(seqs)
         if not ops:
             return StepBreakdown()
+        hw = self.gpu
         tokens = int(ops[0].size_tokens)  # the embedding runs over every token of the step
-        b = StepBreakdown(overhead_s=self.host_overhead_s(len(seqs), tokens))
-        for op in ops:
-            t = op_time(op, self.gpu)
-            if t.compute_s > t.memory_s:
-                b.compute_s += t.compute_s
+        compute_s = memory_s = flops = num_bytes = 0.0
+        overhead_s = self.host_overhead_s(len(seqs), tokens)
+        latency = self._latency
+        for op in ops:  # op_time's arithmetic, inlined: this is the simulator's hot path
+            r = op.repeat
+            c = compute_time_s(op.flops, op.size_tokens, hw, op.kind)
+            mem = memory_time_s(op.bytes, hw, op.kind, op.size_tokens, op.curve)
+            if c > mem:
+                compute_s += c * r
             else:
-                b.memory_s += t.memory_s
-            b.overhead_s += t.latency_s
-            b.flops += t.flops
-            b.bytes += t.bytes
-        b.comm_s = self.comm_s(tokens)
-        return b
+                memory_s += mem * r
+            overhead_s += latency[op.kind, op.curve] * r
+            flops += op.flops * r
+            num_bytes += op.bytes * r
+        return StepBreakdown(compute_s, memory_s, overhead_s, self.comm_s(tokens), 0.0, flops, num_bytes)
 
     def step_seconds(self, seqs: Sequence[SeqWork]) -> float:
         return breakdown_total_s(self.step(seqs))
