@@ -219,7 +219,11 @@ def test_smollm2_layer_and_attention_splits_match_single_instance():
 
     loaded = load_smollm2()
     config, sd, tok = loaded.config, loaded.state_dict, loaded.tokenizer
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there"]
+    texts = [
+        "The capital of France is Paris, and the capital of Italy is",
+        "def fibonacci(n):",
+        "Once upon a time, in a land far away, there",
+    ]
     prompts = [tok(t)["input_ids"] for t in texts]
     ref = single_instance(config, sd, prompts)
     reqs, logits, _ = run_attention_split(config, sd, prompts, [1], {"r0", "r2"})

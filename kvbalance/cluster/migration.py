@@ -10,8 +10,9 @@ migration's latency. Here, with the monitor's per-GPU combined utilisation U_g:
    imbalance (below ``layer_imbalance``) or a memory-bound hot GPU; layer-level (move a range of layers,
    coarse) for a large compute-bound one; the other kind only when the preferred one has no valid move;
 4. among that kind's candidates from the hot GPU within ``max_transfer_s``, keep those that lower the
-   peak by at least ``min_gain`` and cannot trigger their own reversal (the pair's predicted gap stays
-   below ``start_imbalance``), and pick the best balance gain per second of transfer.
+   peak by at least ``min_gain`` and do not overshoot (the destination ends at most ``stop_imbalance``
+   above the source, so the move cannot call for its own reversal), and pick the best balance gain
+   (drop of max U - min U) per second of transfer.
 
 A chosen move becomes a :class:`Migration` with a start and a finish time; its effect (a callback)
 runs only when its transfer finishes, and service never stops meanwhile.
@@ -217,8 +218,8 @@ class AdaptiveMigrator:
             peak_drop = u[hot] - max(after.values())
             if peak_drop < cfg.min_gain:
                 continue  # BanaServe's objective: the peak must come down
-            if abs(c.dst_util_after - c.src_util_after) >= cfg.start_imbalance:
-                continue  # would overshoot far enough to trigger the reverse move: no ping-pong
+            if c.dst_util_after - c.src_util_after > cfg.stop_imbalance:
+                continue  # overshoots: the reverse move could follow (ping-pong)
             gain = imbalance - (max(after.values()) - min(after.values()))
             if gain <= 0:
                 continue

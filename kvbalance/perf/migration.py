@@ -305,8 +305,10 @@ def attention_migration_cost(
     own copy until the transfer lands, then frees it and merges the helper's partial outputs.
     """
     kv_on_gpu = cm.model.num_kv_heads // cm.tp if cm.model.num_kv_heads >= cm.tp else 1
-    if not 0 < kv_heads <= kv_on_gpu:
-        raise ValueError(f"kv_heads: need 0 < n <= {kv_on_gpu} (KV heads on this GPU), got {kv_heads}")
+    if not 0 < kv_heads < kv_on_gpu:
+        raise ValueError(
+            f"kv_heads: need 0 < n < {kv_on_gpu} (KV heads on this GPU; all of them is a request move), got {kv_heads}"
+        )
     _check_nonneg("context_tokens", context_tokens)
     lk = get_link(link)
     nbytes = int(round(context_tokens * cm.kv_bytes_per_token * kv_heads / kv_on_gpu))
