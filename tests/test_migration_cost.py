@@ -37,6 +37,12 @@ def test_live_migration_one_round_then_stop_and_copy():
     assert c.total_bytes == 11 * MB
 
 
+def test_live_migration_copies_a_partial_last_block_again():
+    # 150 tokens: 9 full blocks + a partial one (10 copied); the token written meanwhile lands in block 9
+    c = live_migration_cost(150, 100.0, 16, MB, GB_LINK)
+    assert c.round_blocks == (10,) and c.final_blocks == 1 and c.total_bytes == 11 * MB
+
+
 def test_live_migration_rounds_copy_what_was_written_meanwhile():
     # round 0: 10 blocks, 10 ms, 32 tokens -> positions 160..191 = blocks 10, 11 dirty
     # round 1: 2 blocks, 2 ms (t = 12 ms), floor(3200 * 0.012) = 38 tokens -> position 198, block 12 dirty

@@ -15,13 +15,33 @@ across two executors, built from the executors' own modules and paged KV caches.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from kvbalance.batch import BatchPlan, StepBreakdown, StepResult
-from kvbalance.executor.torch import TorchExecutor
 from kvbalance.model.llama import LlamaModel, StepMetadata, apply_rope, attention_dtype, build_step_metadata
 from kvbalance.model.sampling import SampleRequest, sample
+
+
+class PagedExecutor(Protocol):
+    """What the splits use of an executor (``kvbalance.executor.torch.TorchExecutor`` has all of it;
+    typed structurally so this module stays below the executor layer)."""
+
+    config: object
+    model: LlamaModel
+    kv_cache: torch.Tensor  # [layers, 2, kv_heads, num_blocks, block_size, head_dim]
+    block_size: int
+    num_blocks: int
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    generator: torch.Generator
+    last_logits: torch.Tensor | None
+    last_logits_request_ids: list[str]
+
+    @property
+    def kv_bytes_per_block(self) -> int: ...
 
 
 def partial_attention(
@@ -63,7 +83,7 @@ def set_rope(model: LlamaModel, meta: StepMetadata) -> None:
     meta.cos, meta.sin = freqs.cos().to(dt), freqs.sin().to(dt)
 
 
-def _flatten(plan: BatchPlan, tables: Sequence[Sequence[int]], ex: TorchExecutor):
+def _flatten(plan: BatchPlan, tables: Sequence[Sequence[int]], ex: PagedExecutor):
     """The step's token ids, metadata for ``ex`` with ``tables`` as block tables, and who samples how."""
     token_ids, starts, lens, rows, params, ids = [], [], [], [], [], []
     for b, s in enumerate(plan.seqs):
@@ -86,7 +106,7 @@ def _flatten(plan: BatchPlan, tables: Sequence[Sequence[int]], ex: TorchExecutor
     return torch.tensor(token_ids, dtype=torch.long, device=ex.device), meta, ids, params
 
 
-def _sample(ex: TorchExecutor, hidden: torch.Tensor, meta: StepMetadata, ids, params) -> StepResult:
+def _sample(ex: PagedExecutor, hidden: torch.Tensor, meta: StepMetadata, ids, params) -> StepResult:
     sampled, logprobs = {}, {}
     logits = None
     if ids:
@@ -110,7 +130,7 @@ class LayerSplit:
     speaking ``first``'s block ids. Sampling happens on ``second``, which holds the LM head's stage.
     """
 
-    def __init__(self, first: TorchExecutor, second: TorchExecutor, split_layer: int) -> None:
+    def __init__(self, first: PagedExecutor, second: PagedExecutor, split_layer: int) -> None:
         L = first.config.num_layers
         if first.config != second.config:
             raise ValueError("second: runs a different model config than first")
@@ -189,7 +209,7 @@ class LayerSplit:
 class HelperAttention:
     """A helper GPU's share: the K/V of ``kv_heads`` over migrated blocks, and partial attention on them."""
 
-    def __init__(self, home: TorchExecutor, kv_heads: Sequence[int], num_blocks: int, device="cpu") -> None:
+    def __init__(self, home: PagedExecutor, kv_heads: Sequence[int], num_blocks: int, device="cpu") -> None:
         c = home.config
         heads = sorted(set(kv_heads))
         if not heads or heads[0] < 0 or heads[-1] >= c.num_kv_heads or len(heads) == c.num_kv_heads:
@@ -233,7 +253,7 @@ class HelperAttention:
 class AttentionSplit:
     """The home executor decodes with some heads' migrated context on ``helper``."""
 
-    def __init__(self, home: TorchExecutor, helper: HelperAttention) -> None:
+    def __init__(self, home: PagedExecutor, helper: HelperAttention) -> None:
         self.home, self.helper = home, helper
         c = home.config
         self.moved = torch.tensor(helper.kv_heads, dtype=torch.long, device=home.device)

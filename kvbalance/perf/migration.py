@@ -33,9 +33,10 @@ def _check_range(cm: CostModel, layers: tuple[int, int]) -> tuple[int, int]:
     return a, b
 
 
-def _check_nonneg(name: str, v: float) -> None:
-    if not v >= 0:
-        raise ValueError(f"{name}: must be >= 0, got {v!r}")
+def _check_nonneg(**values: float) -> None:
+    for name, v in values.items():
+        if not v >= 0:
+            raise ValueError(f"{name}: must be >= 0, got {v!r}")
 
 
 # -- request-level live migration (Llumnix) and the pre-copy rounds every KV move shares --------------
@@ -54,9 +55,7 @@ class LiveMigrationCost:
     precopy_s: float  # the request keeps decoding during these seconds
     downtime_s: float  # the request alone pauses: last copy + synchronisation
     total_bytes: int
-    converged: (
-        bool  # False: the decode writes blocks faster than the link drains them (stopped at max_rounds)
-    )
+    converged: bool  # False: decodes dirty blocks faster than the link drains them (max_rounds hit)
 
     @property
     def rounds(self) -> int:
@@ -79,7 +78,7 @@ def live_migration_cost(
     fixed_bytes: float = 0.0,
     num_requests: int = 1,
 ) -> LiveMigrationCost:
-    """Llumnix's live migration of one request's KV (its section 4.2): copy the blocks, then the blocks
+    """Llumnix's (OSDI '24) live migration of a request's KV: copy the blocks, then the blocks
     written meanwhile, ... until at most ``stop_copy_blocks`` remain (or ``max_rounds``), then pause the
     request for one last copy.
 
@@ -91,26 +90,15 @@ def live_migration_cost(
     together: each round carries every request's dirty blocks.
     """
     link = get_link(link)
-    for name, v in (("context_tokens", context_tokens), ("decode_tokens_per_s", decode_tokens_per_s)):
-        _check_nonneg(name, v)
-    _check_nonneg("block_bytes", block_bytes)
-    _check_nonneg("fixed_bytes", fixed_bytes)
-    if block_size < 1:
-        raise ValueError(f"block_size: must be >= 1, got {block_size}")
-    if num_requests < 1:
-        raise ValueError(f"num_requests: must be >= 1, got {num_requests}")
-    if stop_copy_blocks < 0 or max_rounds < 1:
-        raise ValueError(
-            f"stop_copy_blocks / max_rounds: need >= 0 / >= 1, got {stop_copy_blocks} / {max_rounds}"
-        )
     sync = default_sync_s(link) if sync_s is None else sync_s
-    _check_nonneg("sync_s", sync)
-    clean_block = 0  # blocks [0, clean_block) are full and copied
-    pos = context_tokens  # tokens with KV at the start of the round
-    t = 0.0
+    _check_nonneg(context_tokens=context_tokens, decode_tokens_per_s=decode_tokens_per_s, sync_s=sync)
+    _check_nonneg(block_bytes=block_bytes, fixed_bytes=fixed_bytes, stop_copy_blocks=stop_copy_blocks)
+    for name, v in (("block_size", block_size), ("num_requests", num_requests), ("max_rounds", max_rounds)):
+        if not (isinstance(v, int) and v >= 1):
+            raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+    clean_block, pos, t = 0, context_tokens, 0.0  # blocks [0, clean_block) copied and full; tokens so far
     rounds: list[int] = []
-    total_bytes = fixed_bytes
-    extra = fixed_bytes
+    total_bytes = extra = fixed_bytes
     while True:
         dirty = num_requests * (math.ceil(pos / block_size) - clean_block)
         if rounds and (dirty <= stop_copy_blocks or len(rounds) >= max_rounds):
@@ -180,21 +168,12 @@ def layer_migration_cost(
     taken alike: ``kv_tokens // num_requests`` context each), weights in the first round; the copy stops
     when at most one block per request is left, copied between two steps.
     """
-    _check_nonneg("kv_tokens", kv_tokens)
-    if num_requests < 1:
-        raise ValueError(f"num_requests: must be >= 1, got {num_requests}")
-    w = layer_weight_bytes(cm, layers)
-    per_tok = layer_kv_bytes_per_token(cm, layers)
+    _check_nonneg(kv_tokens=kv_tokens)
+    if not (isinstance(num_requests, int) and num_requests >= 1):
+        raise ValueError(f"num_requests: must be an integer >= 1, got {num_requests!r}")
+    w, per_tok, n = layer_weight_bytes(cm, layers), layer_kv_bytes_per_token(cm, layers), num_requests
     live = live_migration_cost(
-        kv_tokens // num_requests,
-        decode_tokens_per_s / num_requests,
-        block_size,
-        per_tok * block_size,
-        link,
-        stop_copy_blocks=num_requests,
-        sync_s=sync_s,
-        fixed_bytes=w,
-        num_requests=num_requests,
+        kv_tokens // n, decode_tokens_per_s / n, block_size, per_tok * block_size, link, n, 8, sync_s, w, n
     )
     return LayerMigrationCost((layers[0], layers[1]), w, int(round(kv_tokens * per_tok)), live)
 
@@ -309,7 +288,7 @@ def attention_migration_cost(
         raise ValueError(
             f"kv_heads: need 0 < n < {kv_on_gpu} (KV heads on this GPU; all of them is a request move), got {kv_heads}"
         )
-    _check_nonneg("context_tokens", context_tokens)
+    _check_nonneg(context_tokens=context_tokens)
     lk = get_link(link)
     nbytes = int(round(context_tokens * cm.kv_bytes_per_token * kv_heads / kv_on_gpu))
     return nbytes, transfer_time(nbytes, lk) + (default_sync_s(lk) if sync_s is None else sync_s)
