@@ -108,7 +108,12 @@ class Scheduler:
         """Whether the next step could compute prompt tokens (a request waits or a running one is mid-prompt)."""
         if self.waiting:
             return True
-        return any(r._num_prompt + len(r.output_token_ids) - r.num_computed_tokens > 1 for r in self.running)
+        # a prompt token left (even one: the last chunk of a k x budget + 1 prompt) or a multi-token recompute
+        return any(
+            r.num_computed_tokens < r._num_prompt
+            or r._num_prompt + len(r.output_token_ids) - r.num_computed_tokens > 1
+            for r in self.running
+        )
 
     def _available_blocks(self) -> int:
         return self.pool.num_free + (self.cache.evictable_blocks if self.cache is not None else 0)
@@ -188,7 +193,10 @@ class Scheduler:
                 n = min(n, budget)
             need = self.pool.blocks_for_tokens(cached + n) - hit
             unlocked_hits = self.cache.unlocked_blocks_on_path(node) if hit else 0
-            if need + self._watermark_blocks > self._available_blocks() - unlocked_hits:
+            # The watermark keeps headroom so running requests can grow; with nothing running there is no
+            # one to protect, and a request that fits the pool (the rejection rule) must be admissible.
+            watermark = self._watermark_blocks if self.running else 0
+            if need + watermark > self._available_blocks() - unlocked_hits:
                 break  # FCFS: the head waits until its first chunk fits
             self.waiting.popleft()
             hit_blocks: list[int] = []

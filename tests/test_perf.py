@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from kvbalance.executor.base import BatchPlan, ScheduledSeq
+from kvbalance.batch import BatchPlan, ScheduledSeq
 from kvbalance.perf.calibrate import cpu_base_spec, fit_hardware, predict_samples
 from kvbalance.perf.cost import (
     CostModel,

@@ -130,3 +130,47 @@ def test_bad_config_names_field():
         SchedulerConfig(policy="fifo")
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
+
+
+# -- admission and rejection agree (issue 7) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["sarathi", "vllm"])
+def test_request_that_fits_the_pool_but_not_the_watermark_is_still_served(policy):
+    # 100 blocks of 16 tokens, 1% watermark = 1 block: a 1590 + 4 token request needs all 100 blocks
+    reqs = [make_request(f"w{i}", 1590, max_tokens=4, arrival_s=float(i)) for i in range(3)]
+    inst = Instance(
+        EchoExecutor(),
+        num_blocks=100,
+        block_size=16,
+        scheduler_config=SchedulerConfig(policy=policy, max_num_batched_tokens=2048),
+    )
+    run = simulate_instance(inst, reqs, check_invariants=True)
+    assert not run.unfinished
+    assert all(r.state is RequestState.FINISHED and r.num_output_tokens == 4 for r in reqs)
+
+
+def test_watermark_keeps_blocks_free_while_others_run():
+    # 20 blocks of 4 tokens, watermark 10% = 2 blocks. "a" holds 10 blocks; "b" needs 9 for its prompt:
+    # 9 + 2 > 10 free, so "b" waits until "a" finishes (without a watermark it would be admitted at once).
+    cfg = SchedulerConfig(max_num_batched_tokens=64, watermark=0.1)
+    inst = Instance(EchoExecutor(), num_blocks=20, block_size=4, scheduler_config=cfg)
+    a, b = make_request("a", 40, max_tokens=3), make_request("b", 36, max_tokens=3, arrival_s=0.001)
+    run = simulate_instance(inst, [a, b], check_invariants=True)
+    assert not run.unfinished
+    assert b.first_scheduled_s >= a.finish_s
+    assert inst.scheduler.num_preemptions == 0
+
+
+def test_request_exactly_at_capacity_is_served_and_one_token_more_is_rejected():
+    # 8 blocks of 4 tokens = 32 KV tokens; a request's KV peaks at prompt + max_tokens - 1 tokens
+    def run(prompt, out):
+        inst = Instance(EchoExecutor(), num_blocks=8, block_size=4)
+        req = make_request("edge", prompt, max_tokens=out)
+        return simulate_instance(inst, [req], check_invariants=True), req
+
+    run_ok, ok = run(29, 4)  # 32 tokens of KV: fits exactly
+    assert ok.state is RequestState.FINISHED and ok.num_output_tokens == 4
+    run_no, no = run(30, 4)  # 33 tokens: can never fit
+    assert no.state is RequestState.REJECTED and "kv_capacity" in no.reject_reason
+    assert not run_no.unfinished and run_ok.num_steps > 0
