@@ -198,6 +198,38 @@ def test_attention_split_with_helper_matches_single_instance(tiny, kv_heads):
     assert len(helper._free) == free + held and "r1" not in helper.held
 
 
+def test_preemption_and_abort_crossing_an_attention_split_lose_nothing(tiny):
+    """r1 (migrated) is preempted and recomputed into new blocks, r2 (migrated) aborts: the helper frees
+    both, its blocks are conserved, and the survivors' tokens still match the single instance."""
+    config, sd = tiny
+    prompts = prompts_for(config, (13, 30, 47, 21))
+    home = TorchExecutor(config, sd, num_blocks=128, block_size=BLOCK)
+    reqs, blocks, logits = requests(prompts), Blocks(128), {}
+    while any(r.num_output_tokens < MIGRATE_AFTER for r in reqs):
+        step(home, reqs, blocks, logits)
+    helper = HelperAttention(home, [1, 2], num_blocks=64)
+    split = AttentionSplit(home, helper)
+    for r in reqs[1:]:
+        split.migrate(r)
+    held = {rid: len(ids) for rid, (ids, _) in helper.held.items()}
+    assert helper.num_free_blocks + sum(held.values()) == 64
+    step(split, reqs, blocks, logits)
+    r1, r2 = reqs[1], reqs[2]
+    r1.block_ids, r1.num_computed_tokens = [], 0  # preempted: recompute from scratch into new blocks
+    step(home, [r1], blocks, logits)  # its recompute prefill samples its next token, as a decode would
+    split.release(r2.request_id)  # aborted
+    survivors = [r for r in reqs if r is not r2]
+    while any(r.num_output_tokens < NUM_OUT for r in survivors):
+        step(split, [r for r in survivors if r.num_output_tokens < NUM_OUT], blocks, logits)
+    assert set(helper.held) == {"r3"} and set(split.sources) == {"r3"}
+    assert helper.num_free_blocks == 64 - held["r3"]
+    ref_tokens, ref_logits = single_instance(config, sd, prompts)
+    for i in (0, 1, 3):
+        assert reqs[i].output_token_ids == ref_tokens[i]
+    split.release("r3")
+    assert helper.num_free_blocks == 64 and not helper.held
+
+
 def test_bad_splits_name_the_field(tiny):
     config, sd = tiny
     ex = TorchExecutor(config, sd, num_blocks=8, block_size=BLOCK)

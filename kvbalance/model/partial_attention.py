@@ -238,6 +238,10 @@ class HelperAttention:
         ids, _ = self.held.pop(request_id)
         self._free.extend(ids)
 
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
     def partial(self, request_id: str, layer: int, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Partial attention of ``q`` [moved heads, group, head_dim] over the held tokens."""
         ids, n = self.held[request_id]
@@ -260,6 +264,9 @@ class AttentionSplit:
         mask = torch.ones(c.num_kv_heads, dtype=torch.bool)
         mask[helper.kv_heads] = False
         self.kept = torch.nonzero(mask).flatten().to(home.device)
+        self.sources: dict[
+            str, list[int]
+        ] = {}  # request id -> home blocks whose moved heads the helper holds
 
     def migrate(self, request) -> int:
         """Send the moved heads' K/V of ``request``'s full blocks to the helper. Returns bytes moved."""
@@ -271,7 +278,22 @@ class AttentionSplit:
         with torch.inference_mode():
             blocks = self.home.kv_cache.index_select(2, self.moved).index_select(3, src)
         self.helper.receive(request.request_id, blocks, full * bs)
+        self.sources[request.request_id] = list(request.block_ids[:full])
         return blocks.numel() * blocks.element_size()
+
+    def release(self, request_id: str) -> None:
+        """The request finished, aborted or was preempted: the helper frees its blocks."""
+        self.helper.release(request_id)
+        del self.sources[request_id]
+
+    def _drop_stale(self, plan: BatchPlan) -> None:
+        """A request preempted since its move recomputed its KV into new home blocks: the helper's copy
+        is stale, so it is freed and the home attends everything again."""
+        for s in plan.seqs:
+            rid = s.request.request_id
+            src = self.sources.get(rid)
+            if src is not None and list(s.request.block_ids[: len(src)]) != src:
+                self.release(rid)
 
     def _attend(self, attn, x: torch.Tensor, meta: StepMetadata, plan: BatchPlan, layer: int) -> torch.Tensor:
         t, kvh, hd, g = x.shape[0], attn.num_kv_heads, attn.head_dim, attn.group
@@ -308,6 +330,7 @@ class AttentionSplit:
             raise ValueError("num_new_tokens: the attention split runs decode steps only (1 token each)")
         if not plan.seqs:
             return StepResult(0.0)
+        self._drop_stale(plan)
         model = self.home.model
         with torch.inference_mode():
             ids, meta, sids, params = _flatten(plan, [s.request.block_ids for s in plan.seqs], self.home)
