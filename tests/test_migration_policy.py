@@ -178,6 +178,8 @@ def test_kind_follows_size_and_boundness_with_fallback():
     )
     assert AdaptiveMigrator().decide(0, large, [layer, attn]).action == LAYER
     assert AdaptiveMigrator().decide(0, large_mem, [layer, attn]).action == ATTENTION
+    kv_bound = {"a": util("a", 0.5, kv=0.95), "b": util("b", 0.2)}  # KV memory binds, operators do not
+    assert AdaptiveMigrator().decide(0, kv_bound, [layer, attn]).action == ATTENTION
     d = AdaptiveMigrator().decide(0, large_mem, [layer])
     assert d.action == LAYER and d.reason.startswith("no valid attention move")
     assert AdaptiveMigrator().decide(0, large, []).action == "none"

@@ -273,3 +273,22 @@ def test_smollm2_layer_and_attention_splits_match_single_instance():
     while any(r.num_output_tokens < NUM_OUT for r in reqs):
         step(split, [r for r in reqs if r.num_output_tokens < NUM_OUT], blocks, logits)
     check_same(ref, reqs, logits, atol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_splits_across_cpu_and_cuda_match_single_instance(tiny):
+    config, sd = tiny
+    prompts = prompts_for(config)
+    ref = single_instance(config, sd, prompts)
+    first = TorchExecutor(config, sd, num_blocks=128, block_size=BLOCK)
+    second = TorchExecutor(config, sd, num_blocks=128, block_size=BLOCK, device="cuda")
+    reqs, blocks, logits = requests(prompts), Blocks(128), {}
+    while any(r.num_output_tokens < MIGRATE_AFTER for r in reqs):
+        step(first, reqs, blocks, logits)
+    split = LayerSplit(first, second, 2)
+    for r in reqs:
+        split.migrate(r)
+    while any(r.num_output_tokens < NUM_OUT for r in reqs):
+        step(split, [r for r in reqs if r.num_output_tokens < NUM_OUT], blocks, logits)
+    logits = {k: [x.cpu() for x in v] for k, v in logits.items()}
+    check_same(ref, reqs, logits, atol=1e-4)

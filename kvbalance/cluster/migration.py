@@ -16,6 +16,13 @@ migration's latency. Here, with the monitor's per-GPU combined utilisation U_g:
 
 A chosen move becomes a :class:`Migration` with a start and a finish time; its effect (a callback)
 runs only when its transfer finishes, and service never stops meanwhile.
+
+Wiring (the cluster's side): after every step, ``monitor.record_step(gpu, start, result.breakdown,
+result.duration_s)`` (a pipelined instance records each stage on its own GPU); each control tick,
+``migrator.step(now, monitor.snapshot(now), lambda: candidates_from(...), on_finish=apply)``, where
+``reserve_move`` runs at the start and ``apply`` commits the memory (``commit_move``) and switches the
+instance's step time to ``pipeline_step`` / ``attention_split_step``; ``cancel`` (with
+``cancel_move``) when the requests being moved all leave first.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ class MigrationConfig:
     - ``max_transfer_s = 2.0``: BanaServe's migration latency budget; a move longer than the window
       would land after the imbalance it was for has changed.
     - ``min_coverage = 1.0``: decide only on full windows (no decisions while warming up).
+    - ``memory_bound_share = 0.5``: the hot GPU is memory-bound when memory-bound operators take the
+      larger part of its operator time (the roofline's majority), or when KV occupancy binds.
     """
 
     start_imbalance: float = 0.25
@@ -58,9 +67,17 @@ class MigrationConfig:
     cooldown_s: float = 4.0
     max_transfer_s: float = 2.0
     min_coverage: float = 1.0  # fraction of the monitor's window the samples must span
+    memory_bound_share: float = 0.5
 
     def __post_init__(self) -> None:
-        for f in ("start_imbalance", "stop_imbalance", "layer_imbalance", "min_gain", "min_coverage"):
+        for f in (
+            "start_imbalance",
+            "stop_imbalance",
+            "layer_imbalance",
+            "min_gain",
+            "min_coverage",
+            "memory_bound_share",
+        ):
             v = getattr(self, f)
             if not 0 <= v <= 1:
                 raise ValueError(f"{f}: must be in [0, 1], got {v!r}")
@@ -191,7 +208,9 @@ class AdaptiveMigrator:
         if callable(candidates):
             candidates = candidates()
         small = imbalance < cfg.layer_imbalance
-        prefer = ATTENTION if small or ready[hot].memory_bound else LAYER
+        h = ready[hot]
+        memory_bound = h.memory_share > cfg.memory_bound_share or (h.kv_util > 0 and h.kv_util >= h.time_util)
+        prefer = ATTENTION if small or memory_bound else LAYER
         for kind in (prefer, LAYER if prefer == ATTENTION else ATTENTION):
             best = self._best(kind, hot, u, imbalance, candidates)
             if best is not None:
