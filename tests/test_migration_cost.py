@@ -88,6 +88,17 @@ def test_layer_migration_moves_weights_then_kv_in_rounds(cm):
     assert busy.total_bytes == w + kv + 32 * 16 * 204800
 
 
+@pytest.mark.parametrize("model, tp", [("opt-13b", 1), ("llama-3-8b", 2), ("qwen2.5-7b", 1)])
+def test_stage_times_add_up_to_the_step_for_other_shapes(model, tp):
+    cm = CostModel(model, "h100-sxm", tp=tp)
+    seqs = [(1, 700, True)] * 8 + [(300, 300, True)]
+    L = cm.model.num_layers
+    a, b = stage_times(cm, seqs, (0, L // 3)), stage_times(cm, seqs, (L // 3, L))
+    assert stage_times(cm, seqs, (0, L)).total_s == pytest.approx(cm.step_seconds(seqs))
+    assert a.total_s + b.total_s == pytest.approx(cm.step_seconds(seqs) + cm.gpu.step_overhead_s)
+    assert a.comm_s + b.comm_s == pytest.approx(cm.comm_s(8 + 300))
+
+
 def test_stage_times_split_the_step_by_layers(cm):
     seqs = [(1, 900, True)] * 24 + [(512, 512, True)]
     full = stage_times(cm, seqs, (0, 40))

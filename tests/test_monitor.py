@@ -76,3 +76,22 @@ def test_bad_input_names_the_field():
         m.record_step("g0", 3.0, bd(0.1), duration_s=-1)
     with pytest.raises(ValueError, match="kv_utilization"):
         m.record_kv("g0", 1.5)
+
+
+def test_cost_model_steps_classify_prefill_as_compute_and_decode_as_memory_bound():
+    from kvbalance.perf.cost import CostModel, breakdown_total_s
+
+    cm = CostModel("llama-13b", "a100-80gb")
+    m = UtilizationMonitor(window_s=2.0)
+    for g in ("prefill", "decode"):
+        m.add_gpu(g)
+    for g, seqs in (("prefill", [(2048, 2048, True)]), ("decode", [(1, 1500, True)] * 48)):
+        b, t = cm.step(seqs), 0.0
+        while t < 2.0:
+            m.record_step(g, t, b)
+            t += breakdown_total_s(b)
+    snap = m.snapshot(2.0)
+    assert snap["prefill"].memory_share < 0.2 and not snap["prefill"].memory_bound
+    assert snap["decode"].memory_share > 0.8 and snap["decode"].memory_bound
+    for u in snap.values():  # back-to-back steps: busy all the time, operators most of it
+        assert u.busy_util == pytest.approx(1.0) and 0.8 < u.time_util < 1.0
