@@ -148,6 +148,10 @@ def test_attention_split_divides_decode_attention_and_adds_the_merge_exchange(cm
     attn = cm.op_times(seqs)["attn_decode"].time_s
     rest = cm.step_seconds(seqs) - attn
     assert s.home_busy_s == pytest.approx(rest + 0.75 * attn)
+    # decode attention: 4 * head_dim FLOPs per (head, key) and K+V of each context token, every layer
+    assert s.helper_flops == pytest.approx(0.25 * 40 * 4 * 128 * 40 * 32 * 2048)
+    kv_read, q_io = 32 * 2048 * 2 * 5120 * 2, 2 * 32 * 5120 * 2
+    assert s.helper_bytes == pytest.approx(0.25 * 40 * (kv_read + q_io))
     assert s.helper_busy_s == pytest.approx(0.25 * attn + 40 * cm.gpu.per_layer_overhead_s)
     heads = 10  # a quarter of 40 query heads
     assert merge_exchange_bytes(cm, 32, 0.25) == 32 * heads * (2 * 128 * 2 + LSE_BYTES)

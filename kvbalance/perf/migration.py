@@ -303,6 +303,8 @@ class AttentionSplitStep:
     helper_busy_s: float  # helper GPU work: its partial attention plus its launches
     exchange_bytes: int  # per step: queries out, partial outputs + LSE back, every layer
     exchange_s: float
+    helper_flops: float = 0.0  # the decode attention's FLOPs and bytes the helper runs
+    helper_bytes: float = 0.0
 
 
 def merge_exchange_bytes(
@@ -357,4 +359,6 @@ def attention_split_step(
         helper_busy_s=L * helper_attn_l,
         exchange_bytes=int(round((q_out + back) * L)),
         exchange_s=L * per_layer_x,
+        helper_flops=moved * attn.flops,
+        helper_bytes=moved * attn.bytes,
     )
