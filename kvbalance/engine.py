@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from kvbalance.batch import BatchPlan, StepResult
 from kvbalance.executor.base import Executor
 from kvbalance.kvcache.blocks import BlockPool, ElasticBlockPool
+from kvbalance.kvcache.connector import KVConnector
 from kvbalance.kvcache.elastic import OOM, ElasticConfig, ElasticReserve
-from kvbalance.kvcache.prefix import RadixCache
+from kvbalance.kvcache.manager import KVCacheManager
 from kvbalance.request import Request, RequestState
 from kvbalance.scheduler import Scheduler, SchedulerConfig
 
@@ -74,6 +75,7 @@ class Instance:
         max_context: int = 1 << 30,
         name: str = "instance-0",
         elastic: ElasticConfig | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
         self.name = name
         self.executor = executor
@@ -84,8 +86,9 @@ class Instance:
         else:  # static overcommit: the region is in the pool for good
             self.pool = BlockPool(num_blocks + elastic.reserve_blocks, block_size)
         self.config = scheduler_config or SchedulerConfig()
-        self.cache = RadixCache(self.pool) if self.config.enable_prefix_caching else None
-        self.scheduler = Scheduler(self.config, self.pool, self.cache)
+        self.kv = KVCacheManager(self.pool, self.config.enable_prefix_caching)
+        self.cache = self.kv.cache
+        self.scheduler = Scheduler(self.config, self.kv, connector)
         self.max_context = max_context
         self.num_steps = 0
         self.busy_s = 0.0
@@ -148,14 +151,14 @@ class Instance:
             else:
                 decode += r.num_computed_tokens
             remaining += r.max_tokens - r.num_output_tokens
-        for r in sched.waiting:
+        for r in (*sched.waiting, *sched.loading.values()):
             prefill += r.num_tokens - r.num_computed_tokens
             remaining += r.max_tokens - r.num_output_tokens
         return InstanceLoad(
             name=self.name,
             num_waiting=sched.num_waiting,
             num_running=sched.num_running,
-            num_loading=0,
+            num_loading=sched.num_loading,
             queued_prefill_tokens=prefill,
             decode_tokens=decode,
             remaining_output_tokens=remaining,

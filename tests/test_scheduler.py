@@ -110,11 +110,36 @@ def test_full_prompt_hit_still_computes_last_token():
     assert first_b.start == 12 and first_b.num_new_tokens == 4 and first_b.sample
 
 
-def test_concurrent_identical_prefixes_share_blocks_after_compute():
+def test_concurrent_identical_prefixes_are_cached_once_and_tables_stay_append_only():
+    # three requests compute the same 64-token prefix in one step: the cache keeps one copy of each
+    # block, and no request's block table ever changes a block id it already had (an in-flight KV save
+    # could be reading it)
     reqs = [make_request(f"r{i}", list(range(64)) + [i], max_tokens=4) for i in range(3)]
-    inst, ex, run = _run(reqs, budget=256, num_blocks=128)
+    seen: dict[str, list[int]] = {}
+
+    class Recording(EchoExecutor):
+        def execute(self, plan):
+            for s in plan.seqs:
+                table = list(s.request.block_ids)
+                before = seen.get(s.request.request_id, [])
+                assert table[: len(before)] == before, "a block id changed in a block table"
+                seen[s.request.request_id] = table
+            return super().execute(plan)
+
+    inst = Instance(
+        Recording(),
+        num_blocks=128,
+        block_size=4,
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=256),
+    )
+    run = simulate_instance(inst, reqs, check_invariants=True)
     assert not run.unfinished
-    assert inst.cache.num_cached_blocks >= 16
+    assert inst.cache.num_cached_blocks == 16 + 3  # the shared prefix once, plus each request's own tail
+    assert inst.pool.num_used == inst.cache.num_cached_blocks  # the duplicates went with their requests
+    # a later request with the same prefix hits all of it
+    late = make_request("late", list(range(64)) + [9], max_tokens=2)
+    simulate_instance(inst, [late], check_invariants=True)
+    assert late.prefix_hit_tokens == 64
 
 
 def test_impossible_request_is_rejected_with_reason():
