@@ -15,13 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbalance.batch import BatchPlan, StepBreakdown
-from kvbalance.perf.memory import (  # noqa: F401  (re-exported: callers import these from perf.cost)
-    activation_reserve_bytes,
-    kv_bytes_per_token_per_gpu,
-    kv_capacity_tokens,
-    kv_heads_per_rank,
-    validate_tp,
-)
+from kvbalance.perf.memory import kv_bytes_per_token, validate_tp
 from kvbalance.specs import HardwareSpec, LinkSpec, MemoryCurve, ModelSpec, get_gpu, get_link, get_model
 
 # (num_new_tokens, context_len_after_step, samples)
@@ -186,6 +180,11 @@ def breakdown_total_s(b: StepBreakdown) -> float:
     return b.compute_s + b.memory_s + b.overhead_s + b.comm_s + b.transfer_s
 
 
+def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
+    """KV heads each TP rank stores (replicated when there are fewer KV heads than ranks)."""
+    return max(model.num_kv_heads // tp, 1)
+
+
 def gemm_count(name: str, tokens: float, k: int, n: int, dtype_bytes: int, bias: int = 0, repeat: int = 1):
     """A weight GEMM [tokens x k] @ [k x n] (+ bias of ``bias`` elements): 2 M K N FLOPs; weights, input and
     output moved once."""
@@ -255,7 +254,7 @@ class CostModel:
         self._vocab_r = math.ceil(m.vocab_size / tp)
         self._norm_params = m.hidden_size if m.arch == "llama" else 2 * m.hidden_size
         self._kv_token_layer_bytes = 2 * self._kv_r * dt  # K and V of one token in one layer, this rank
-        self.kv_bytes_per_token = kv_bytes_per_token_per_gpu(m, tp)
+        self.kv_bytes_per_token = kv_bytes_per_token(m, tp)
         # GEMM shapes (K, N) per rank, and bias elements added to their weights
         bias_qkv = self._q_r + 2 * self._kv_r if (m.qkv_bias or m.linear_bias) else 0
         bias_o = self._h if m.linear_bias else 0
