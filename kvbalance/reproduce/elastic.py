@@ -6,7 +6,7 @@ from t=40 s (each prefill, ~3 s, runs on its own, so TTFT measures prefill compu
 behind another long prompt). Four modes:
 
 * ``chunk-8192`` / ``chunk-32768``: chunked prefill with that token budget; the KV pool is what is left after
-  weights and the activation reserve of that chunk size (``elastic_reserve.activation_reserve_bytes``);
+  weights and the activation reserve of that chunk size (``perf.memory.activation_reserve_bytes``);
 * ``elastic-32768``: chunk 32768, with the reserve (minus what a decode step needs) lent to the KV pool while
   only decodes run and reclaimed before a prefill (``kvcache/elastic.py``, with modelled map/unmap latency);
 * ``static-32768``: chunk 32768 with the reserve given to the KV pool for good: it runs until a prefill
@@ -32,11 +32,12 @@ import numpy as np
 
 from kvbalance.engine import Instance, InstanceConfig, build_instance
 from kvbalance.executor.sim import SimExecutor
-from kvbalance.kvcache import elastic_reserve as er
 from kvbalance.kvcache.elastic import ElasticConfig
 from kvbalance.metrics.report import plot_lines, write_table_csv
 from kvbalance.metrics.summary import to_json_value
-from kvbalance.perf.cost import CostModel, kv_capacity_tokens
+from kvbalance.perf import memory as er
+from kvbalance.perf.cost import CostModel
+from kvbalance.perf.memory import kv_capacity_tokens
 from kvbalance.request import Request, RequestState, SamplingParams
 from kvbalance.sim.loop import simulate_instance
 from kvbalance.specs import get_gpu, get_model

@@ -19,7 +19,8 @@ from kvbalance.kvcache.connector import KVConnector
 from kvbalance.kvcache.elastic import ElasticConfig
 from kvbalance.metrics.summary import summarize, write_requests_csv, write_summary_json
 from kvbalance.metrics.timeline import Timeline
-from kvbalance.perf.cost import CostModel, activation_reserve_bytes, kv_capacity_tokens
+from kvbalance.perf.cost import CostModel
+from kvbalance.perf.memory import engine_activation_reserve_bytes, kv_capacity_tokens
 from kvbalance.request import Request
 from kvbalance.scheduler import POLICIES
 from kvbalance.sim.loop import SimRun, simulate_instance
@@ -119,7 +120,7 @@ def build_sim_instance(
     if cfg.kv_tokens is not None:
         kv_tokens = cfg.kv_tokens
     else:
-        reserve = activation_reserve_bytes(model, cfg.tp, budget, cfg.max_num_seqs)
+        reserve = engine_activation_reserve_bytes(model, cfg.tp, budget, cfg.max_num_seqs)
         kv_tokens = kv_capacity_tokens(model, cfg.gpu, cfg.tp, cfg.gpu_memory_utilization, reserve)
     elastic = None
     if cfg.elastic != "off":
