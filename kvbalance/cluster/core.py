@@ -249,6 +249,26 @@ class Cluster:
         if self._on_finish is not None:
             self._on_finish(req)
 
+    def abort(self, req: Request) -> None:
+        """Client abort, wherever the request is: queued or running on its prefill (or colocated) member,
+        waiting for or loading its KV on a decode member, or decoding. Blocks a transfer still uses are
+        held until it lands; nothing is lost or freed twice."""
+        if req.is_finished:
+            return
+        now = self.loop.now
+        rid = req.request_id
+        dst = self.decode_assignment.get(rid)
+        if dst is not None:
+            self.members[dst].instance.abort(req, now)
+            if self.pd is not None:
+                self.pd.aborted_on_decode(req)
+        elif rid in self.assignment:
+            src = self.members[self.assignment[rid]]
+            src.instance.abort(req, now)
+            if self.pd is not None and self.pd.handles(req):
+                self.pd.aborted_on_prefill(src, req)
+        self._finished(req)
+
     # -- running ----------------------------------------------------------------
     def submit(self, req: Request) -> None:
         self.loop.at(req.arrival_s, self._arrive, req)

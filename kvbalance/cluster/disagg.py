@@ -106,6 +106,18 @@ class PDConnector:
         self._pending[req.request_id] = h
         h.dst.driver.arrive(req)
 
+    def aborted_on_prefill(self, src, req: Request) -> None:
+        """Aborted before its prefill finished: drop the hold ``request_finished`` may have taken."""
+        req.sampling = self._sampling.pop(req.request_id)
+        self._release_hold(src, req.request_id)
+
+    def aborted_on_decode(self, req: Request) -> None:
+        """Aborted after the hand-off: if its load never started, the prefill side's hold goes now; a load
+        in flight lands first (the decode side keeps the blocks until then, the prefill side until then)."""
+        h = self._pending.pop(req.request_id, None)
+        if h is not None:
+            self._release_hold(h.src, req.request_id)
+
     # -- decode side (connector calls) ---------------------------------------------------
     def matched(self, dst, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
         h = self._pending.get(req.request_id)
