@@ -170,3 +170,21 @@ def test_aborts_crossing_transfers_and_preemptions_lose_nothing(seed):
         assert m.instance.pool.num_used == cache.num_cached_blocks and cache.protected_blocks == 0
         assert not m.instance.scheduler._held  # every hold released once its transfer landed
         cluster.check_member(m)
+
+
+def test_monitor_samples_every_gpu_on_the_control_interval_and_stops_with_the_run():
+    from kvbalance.cluster.monitor import UtilizationMonitor
+
+    cfg = _cfg(num_requests=80)
+    mon = UtilizationMonitor(window_s=0.5)
+    ticks = []
+    cluster = Cluster(_members(cfg, ["prefill", "decode", "decode"]), Topology.build(cfg.gpu, 3), monitor=mon,
+                      control_interval_s=0.25, on_tick=lambda c, now, snap: ticks.append((now, snap)))  # fmt: skip
+    run = cluster.run(_requests(cfg))
+    times = [t for t, _ in ticks]
+    assert times == [pytest.approx(0.25 * i) for i in range(len(times))]
+    end = max(r.finish_s for r in run.requests)
+    assert end <= times[-1] < end + 0.25 + 1e-9  # no tick long after the last event: the loop ends
+    assert set(ticks[-1][1]) == {"gpu0", "gpu1", "gpu2"} and len(mon.history) == len(ticks)
+    busy = [snap["gpu1"].busy_util for _, snap in ticks[2:-2]]
+    assert all(0 <= u <= 1 + 1e-9 for u in busy) and max(busy) > 0

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvbalance.cluster.connector import ClusterConnector
+from kvbalance.cluster.monitor import UtilizationMonitor
 from kvbalance.cluster.routers import Router, build_router
 from kvbalance.cluster.topology import Topology
 from kvbalance.cluster.utilization import busy_fraction, busy_fraction_series, hot_spot_ratio
@@ -28,6 +29,13 @@ from kvbalance.sim.loop import EventLoop, InstanceDriver
 from kvbalance.sim.run import SimulateConfig, build_sim_instance
 
 Role = Literal["colocated", "prefill", "decode"]
+
+
+def gpu_name(g: int) -> str:
+    """The monitor's name of GPU ``g``."""
+    return f"gpu{g}"
+
+
 ROLES = ("colocated", "prefill", "decode")
 
 
@@ -126,6 +134,9 @@ class Cluster:
         store: GlobalKVStore | None = None,
         check_invariants: bool = False,
         on_finish: Callable[[Request], None] | None = None,
+        monitor: UtilizationMonitor | None = None,
+        control_interval_s: float = 0.5,
+        on_tick: Callable[[Cluster, float, dict], None] | None = None,
     ) -> None:
         self.members = list(members)
         if not self.members:
@@ -174,6 +185,18 @@ class Cluster:
                 raise ValueError(
                     f"members: {m.name} was built without a ClusterConnector (use cluster.core.sim_member)"
                 )
+        # per-GPU utilisation (``cluster/monitor.py``) sampled every ``control_interval_s``; ``on_tick`` is
+        # where a controller acts on it. TODO(migration): the adaptive migrator (``cluster/migration.py``)
+        # plugs in as an on_tick that calls migrator.step(now, snapshot, candidates, on_finish=apply).
+        self.monitor = monitor
+        self.control_interval_s = control_interval_s
+        self.on_tick = on_tick
+        if monitor is not None:
+            if not control_interval_s > 0:
+                raise ValueError(f"control_interval_s: must be > 0, got {control_interval_s}")
+            for m in self.members:
+                for g in m.gpus:
+                    monitor.add_gpu(gpu_name(g))
         for m in self.members:
             m.driver = InstanceDriver(
                 self.loop, m.instance, on_step=self._step_hook(m), on_finish=self._finish_hook(m)
@@ -222,6 +245,12 @@ class Cluster:
                 outcome.plan.num_tokens,
                 outcome.result.duration_s,
             )
+            if self.monitor is not None:
+                kv = inst.kv_used_tokens / inst.kv_capacity_tokens if inst.kv_capacity_tokens else 0.0
+                for g in m.gpus:
+                    self.monitor.record_step(gpu_name(g), outcome.start_s, outcome.result.breakdown,
+                                             outcome.result.duration_s)  # fmt: skip
+                    self.monitor.record_kv(gpu_name(g), min(1.0, kv))
             if self.pd is not None:
                 self.pd.on_step(m, outcome)
             if self.store is not None and m.role != "decode":
@@ -270,6 +299,15 @@ class Cluster:
         self._finished(req)
 
     # -- running ----------------------------------------------------------------
+    def _tick(self) -> None:
+        """Sample the monitor (kept in its history) and run the controller, while anything is left to do."""
+        now = self.loop.now
+        snap = self.monitor.sample(now)
+        if self.on_tick is not None:
+            self.on_tick(self, now, snap)
+        if len(self.loop):  # other events pending: the run is not over
+            self.loop.at(now + self.control_interval_s, self._tick)
+
     def submit(self, req: Request) -> None:
         self.loop.at(req.arrival_s, self._arrive, req)
 
@@ -277,6 +315,8 @@ class Cluster:
         reqs = list(requests)
         for req in reqs:
             self.submit(req)
+        if self.monitor is not None:
+            self.loop.at(self.loop.now, self._tick)
         self.loop.run()
         for conn in (self.pd, self.store):
             if conn is not None:
