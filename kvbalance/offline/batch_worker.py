@@ -189,20 +189,23 @@ class Backend(Protocol):
 
 
 class LocalBackend:
-    """One in-process replica; several shards run one after another on it (same outputs as one list)."""
+    """One in-process replica. With ``num_replicas=k`` it stands in for k replicas: the plan is cut into k
+    ranks as for a data-parallel run and the ranks run one after another (what a test of the sharding
+    needs without Ray)."""
 
-    num_replicas = 1
-
-    def __init__(self, engine, served_model: str | None = None) -> None:
+    def __init__(self, engine, served_model: str | None = None, *, num_replicas: int = 1) -> None:
+        if not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas: must be a positive integer, got {num_replicas!r}")
         self.worker = engine if isinstance(engine, BatchWorker) else BatchWorker(engine, served_model)
+        self.num_replicas = num_replicas
 
     def info(self) -> ReplicaInfo:
         return self.worker.info()
 
-    def prepare(self, items):
+    def prepare(self, items: list[BatchRequest]) -> list[PreparedRequest | BatchRefusal]:
         return self.worker.prepare(items)
 
-    def generate(self, shards):
+    def generate(self, shards: list[list[PreparedRequest]]) -> Iterator[Records]:
         for shard in shards:
             yield from self.worker.generate(shard)
 
