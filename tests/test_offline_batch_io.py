@@ -156,8 +156,13 @@ def test_torn_journal_tail_is_cut_and_complete_lines_kept(tmp_path):
     again = BatchOutput(tmp_path / "out.jsonl", inp, {"model": "m"})
     state = again.open()
     assert state.done == {0: _rec(0), 2: _rec(2)} and state.dropped_lines == 1
-    again.append([(1, _rec(1)), (3, _rec(3))])
-    again.finalize({**state.done, 1: _rec(1), 3: _rec(3)})
+    again.append([(1, _rec(1))])
+    again.close()
+    third = BatchOutput(tmp_path / "out.jsonl", inp, {"model": "m"})
+    state = third.open()  # what was appended after the cut reads back whole
+    assert state.done == {0: _rec(0), 1: _rec(1), 2: _rec(2)} and state.dropped_lines == 0
+    third.append([(3, _rec(3))])
+    third.finalize({**state.done, 3: _rec(3)})
     lines = [json.loads(s) for s in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert lines == [_rec(i) for i in range(4)]
     assert not out.journal_path.exists()

@@ -169,7 +169,12 @@ def reference_tokens(job) -> dict[str, list[int]]:
 @pytest.mark.parametrize("how", ["reverse", "shuffle"])
 def test_outputs_equal_fcfs_whatever_the_plan_order(job, tmp_path, how):
     run_batch(job, tmp_path / "fcfs.jsonl", LocalBackend(make_engine()), progress=False)
-    run_batch(job, tmp_path / "plan.jsonl", LocalBackend(make_engine()), planner=Planner(how), progress=False)
+    eng, fed = make_engine(), []
+    add = eng.add_request
+    eng.add_request = lambda ids, params, rid: fed.append(int(rid.split("-")[1])) or add(ids, params, rid)
+    run_batch(job, tmp_path / "plan.jsonl", LocalBackend(eng), planner=Planner(how), progress=False)
+    fcfs_indices = sorted(fed)
+    assert fed == [fcfs_indices[i] for i in Planner(how).plan(fed, None).order]  # the engine saw the plan
     fcfs, planned = read_out(tmp_path / "fcfs.jsonl"), read_out(tmp_path / "plan.jsonl")
     assert comparable(planned) == comparable(fcfs)
     tokens = {
