@@ -245,3 +245,26 @@ def test_cli_batch_run_token_id_prompts(tmp_path, capsys):
     assert main(["batch", "run", str(tmp_path / "nope.jsonl"), "--output", str(out)]) == 2
     assert main(["batch", "run", str(path), "--model", "tiny-llama"]) == 2
     assert "output" in capsys.readouterr().err
+    assert main([*argv, "--planner", "nope"]) == 2
+    assert "planner: unknown 'nope'" in capsys.readouterr().err
+
+
+def test_warmup_samples_are_real_outputs_and_not_generated_again(job, tmp_path):
+    plan_mod = pytest.importorskip("kvbalance.offline.plan")
+    seen = {}
+
+    class Sampling:
+        name = "sampling"
+
+        def plan(self, requests, ctx):
+            seen["lengths"] = list(ctx.run_samples([0, 3, 5]))
+            seen["budgets"] = [requests[i].max_tokens for i in (0, 3, 5)]
+            return plan_mod.OfflinePlan(self.name, list(range(len(requests)))[::-1], warmup=[0, 3, 5])
+
+    run_batch(job, tmp_path / "fcfs.jsonl", LocalBackend(make_engine()), progress=False)
+    s = run_batch(
+        job, tmp_path / "out.jsonl", LocalBackend(make_engine()), planner=Sampling(), progress=False
+    )
+    assert s.num_generated == 16  # the three samples once, the rest once
+    assert seen["lengths"] == seen["budgets"]  # greedy, no EOS: every sample runs to its budget
+    assert comparable(read_out(tmp_path / "out.jsonl")) == comparable(read_out(tmp_path / "fcfs.jsonl"))

@@ -169,6 +169,24 @@ def _plan_context(info: ReplicaInfo, run_samples):
     )
 
 
+def _planners():
+    try:
+        from kvbalance.offline.plan import PLANNERS
+    except ImportError:  # the planner package is not merged yet: input order only
+        return None
+    return PLANNERS
+
+
+def check_planner(name: str) -> None:
+    """Raise ValueError naming ``planner`` unless ``name`` is a known planner."""
+    registry = _planners()
+    if registry is None:
+        if name != "fcfs":
+            raise ValueError(f"planner: unknown {name!r} (known: fcfs)")
+    else:
+        registry.get(name)
+
+
 def plan_job(
     todo: list[PreparedRequest],
     info: ReplicaInfo,
@@ -192,14 +210,10 @@ def plan_job(
         lengths = dict(zip(fresh, run_now([todo[i] for i in fresh])))
         return [lengths.get(i, requests[i].num_output_tokens) for i in indices]
 
-    try:
-        from kvbalance.offline.plan import PLANNERS
-    except ImportError:  # the planner package is not merged yet: input order only
-        PLANNERS = None
+    PLANNERS = _planners()
     if isinstance(planner, str):
+        check_planner(planner)
         if PLANNERS is None:
-            if planner != "fcfs":
-                raise ValueError(f"planner: unknown {planner!r} (known: fcfs)")
             return _contiguous_ranks(todo, num_replicas)
         planner = PLANNERS.get(planner)()
     ctx = _plan_context(info, run_samples) if PLANNERS is not None else None
@@ -269,7 +283,8 @@ def run_command(args: argparse.Namespace) -> int:
         raise ValueError("output: --output OUT.jsonl is required for a real run")
     if args.data_parallel < 1:
         raise ValueError(f"data-parallel: must be >= 1, got {args.data_parallel}")
-    read_batch_input(args.input)  # a missing input fails before any model is loaded
+    read_batch_input(args.input)  # a missing input or unknown planner fails before any model is loaded
+    check_planner(args.planner)
     spec = engine_spec(args)
     if args.data_parallel > 1:
         from kvbalance.offline.ray_runner import RayBackend
