@@ -297,3 +297,25 @@ def test_smollm2_batch_text_equals_offline_llm(tmp_path):
     got = [r["response"]["body"]["choices"][0] for r in records]
     assert [c["message"]["content"] for c in got[:2]] + [c["text"] for c in got[2:]] == want
     assert all(w.strip() for w in want)
+
+
+def test_run_flags_join_a_parent_command_that_has_its_own_model_and_planner():
+    import argparse
+
+    from kvbalance.offline.runner import add_run_arguments, engine_spec
+
+    parent = argparse.ArgumentParser()
+    parent.add_argument("input")
+    parent.add_argument("--simulate", action="store_true")
+    parent.add_argument("--model", default=None)
+    parent.add_argument("--planner", default="blendserve")
+    add_run_arguments(parent, positional_input=False)
+    args = parent.parse_args(["job.jsonl", "--output", "o.jsonl", "--data-parallel", "2"])
+    assert (args.input, args.model, args.planner, args.output, args.data_parallel) == (
+        "job.jsonl",
+        None,
+        "blendserve",
+        "o.jsonl",
+        2,
+    )
+    assert engine_spec(args).model == "smollm2-135m"

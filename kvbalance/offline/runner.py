@@ -243,28 +243,36 @@ def _contiguous_ranks(todo: list[PreparedRequest], n: int) -> list[list[Prepared
 
 
 # -- command line (``kvbalance batch run``; to be wired into ``kvbalance offline run``) -------------------
-def add_run_arguments(parser: argparse.ArgumentParser, *, common: bool = True) -> None:
-    """The real-run flags. ``common=False`` leaves out INPUT, --model and --planner (a parent command that
-    already defines them, such as ``offline run``)."""
-    if common:
+REAL_RUN_MODEL = "smollm2-135m"  # the default model of a real run (a parent command's --model may be None)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, positional_input: bool = True) -> None:
+    """The real-run flags. An option the parser already has (``offline run``'s ``--model``, ``--planner``,
+    ``--seed``) is kept as it is; ``positional_input=False`` leaves out INPUT when the parent defines it."""
+
+    def add(*names: str, **kw) -> None:
+        try:
+            parser.add_argument(*names, **kw)
+        except argparse.ArgumentError:  # defined by the parent command already
+            pass
+
+    if positional_input:
         parser.add_argument("input", help="OpenAI Batch API input file (JSONL)")
-        parser.add_argument("--model", default="smollm2-135m", help="model name, preset or HF directory")
-        parser.add_argument("--planner", default="fcfs", help="offline planner (a name in PLANNERS)")
-    parser.add_argument("--output", help="Batch output file (JSONL); rerun with the same file to resume")
-    parser.add_argument("--data-parallel", type=int, default=1, help="engine replicas (N > 1: Ray actors)")
-    parser.add_argument("--ray-address", default=None, help="an existing Ray cluster (None: start one here)")
-    parser.add_argument("--num-cpus", type=int, default=None, help="CPUs for a local Ray (None: all)")
-    parser.add_argument("--kv-cache-tokens", type=int, default=65_536, help="KV cache size per replica")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="running requests per replica")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context cap (None: model's)")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per replica")
-    parser.add_argument("--device", default="cpu", help="torch device of each replica")
-    parser.add_argument(
-        "--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weights"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random-weight seed for model presets")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add("--model", default=REAL_RUN_MODEL, help="model name, preset or HF directory")
+    add("--planner", default="fcfs", help="offline planner (a name in PLANNERS)")
+    add("--output", help="Batch output file (JSONL); rerun with the same file to resume")
+    add("--data-parallel", type=int, default=1, help="engine replicas (N > 1: Ray actors)")
+    add("--ray-address", default=None, help="an existing Ray cluster (None: start one here)")
+    add("--num-cpus", type=int, default=None, help="CPUs for a local Ray (None: all)")
+    add("--kv-cache-tokens", type=int, default=65_536, help="KV cache size per replica")
+    add("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    add("--max-num-seqs", type=int, default=64, help="running requests per replica")
+    add("--max-model-len", type=int, default=None, help="context cap (None: model's)")
+    add("--num-threads", type=int, default=None, help="torch threads per replica")
+    add("--device", default="cpu", help="torch device of each replica")
+    add("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weights")
+    add("--seed", type=int, default=0, help="random-weight seed for model presets")
+    add("--no-progress", action="store_true", help="no progress bar")
 
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
@@ -272,7 +280,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
         if getattr(args, name) < 1:
             raise ValueError(f"{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
     return EngineSpec(
-        model=args.model,
+        model=args.model or REAL_RUN_MODEL,
         kv_cache_tokens=args.kv_cache_tokens,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
