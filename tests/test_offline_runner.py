@@ -319,3 +319,20 @@ def test_run_flags_join_a_parent_command_that_has_its_own_model_and_planner():
         2,
     )
     assert engine_spec(args).model == "smollm2-135m"
+
+
+def test_request_the_engine_drops_mid_run_still_gets_a_line(job, tmp_path):
+    eng = make_engine()
+    step = eng.step
+
+    def step_and_drop_one():
+        if "batch-0" in eng.requests:
+            eng.abort("batch-0")  # gone without an output, as a failed replica would leave it
+        return step()
+
+    eng.step = step_and_drop_one
+    s = run_batch(job, tmp_path / "out.jsonl", LocalBackend(eng), progress=False)
+    first = read_out(tmp_path / "out.jsonl")[0]
+    assert first["custom_id"] == "t0" and first["response"]["status_code"] == 500
+    assert first["response"]["body"]["error"]["message"].startswith("engine: ")
+    assert s.num_generated == 16 and s.num_lines == len(job.read_text().splitlines())

@@ -19,6 +19,8 @@ from kvbalance.offline.batch_io import (
     BatchRefusal,
     BatchRequest,
     ChatBody,
+    error_body,
+    output_line,
     refusal_record,
 )
 from kvbalance.offline.batch_responses import Generation, success_record
@@ -148,14 +150,20 @@ class BatchWorker:
                 continue
             pending[rid], reqs[rid] = p, req
         while pending:
-            if not eng.has_unfinished():
-                raise RuntimeError(f"engine went idle with {len(pending)} batch request(s) unfinished")
+            if (
+                not eng.has_unfinished()
+            ):  # never reached with the engine as it is; nothing is dropped if it is
+                yield [(p.item.index, self._failed(reqs[rid], p)) for rid, p in pending.items()]
+                return
             done: Records = []
             for out in eng.step():
                 p = pending.pop(out.request_id, None) if out.finished else None
                 if p is None:
                     continue
                 req = reqs.pop(out.request_id)
+                if req.state is not RequestState.FINISHED:
+                    done.append((p.item.index, self._failed(req, p)))
+                    continue
                 gen = Generation(
                     out.text,
                     list(req.output_token_ids),
@@ -168,6 +176,13 @@ class BatchWorker:
                 )
             if done:
                 yield done
+
+    @staticmethod
+    def _failed(req: Request, p: PreparedRequest) -> dict:
+        """A request the engine dropped or rejected mid-run: a 500 line with the engine's reason."""
+        reason = req.reject_reason or req.finish_reason or f"ended {req.state.value} without output"
+        body = error_body(500, f"engine: {reason}", None)
+        return output_line(p.item.index, p.item.custom_id, 500, body)
 
     @staticmethod
     def _refusal(p: PreparedRequest, msg: str) -> BatchRefusal:
