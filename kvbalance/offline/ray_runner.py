@@ -11,6 +11,7 @@ rank); greedy outputs equal a single replica's. Needs ``pip install kvbalance[ra
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -104,7 +105,7 @@ class RayBackend:
                 ray.init(address=address, include_dashboard=False, log_to_driver=False)
         if isinstance(source, EngineSpec) and source.num_threads is None:
             total = num_cpus or int(ray.cluster_resources().get("CPU", 1))
-            source = EngineSpec(**{**source.__dict__, "num_threads": max(1, total // num_replicas)})
+            source = dataclasses.replace(source, num_threads=max(1, total // num_replicas))
         actor_cls = ray.remote(num_cpus=1, num_gpus=gpus_per_replica)(_Replica)
         self.actors = [actor_cls.remote(source, served_model) for _ in range(num_replicas)]
         self._info: ReplicaInfo | None = None
