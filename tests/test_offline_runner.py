@@ -321,6 +321,18 @@ def test_run_flags_join_a_parent_command_that_has_its_own_model_and_planner():
     assert engine_spec(args).model == "smollm2-135m"
 
 
+def test_run_command_fills_in_flags_a_parent_command_never_defined(tmp_path, capsys):
+    from argparse import Namespace
+
+    from kvbalance.offline.runner import run_command
+
+    path = tmp_path / "in.jsonl"
+    path.write_text(_req("r0", "/v1/completions", prompt=[1, 2, 3], max_tokens=2, temperature=0) + "\n")
+    args = Namespace(input=str(path), output=str(tmp_path / "o.jsonl"), model="tiny-llama", planner="fcfs")
+    assert run_command(args) == 0
+    assert "1 lines: 1 generated" in capsys.readouterr().out
+
+
 def test_request_the_engine_drops_mid_run_still_gets_a_line(job, tmp_path):
     eng = make_engine()
     step = eng.step

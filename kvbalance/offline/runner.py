@@ -292,8 +292,16 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
     )
 
 
+def _with_run_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` plus the defaults of every real-run flag the calling command did not define."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_run_arguments(parser, positional_input=False)
+    return argparse.Namespace(**{**vars(parser.parse_args([])), **vars(args)})
+
+
 def run_command(args: argparse.Namespace) -> int:
     """``run INPUT --output OUT [--data-parallel N]``: run or resume the job, print one summary line."""
+    args = _with_run_defaults(args)
     if not args.output:
         raise ValueError("output: --output OUT.jsonl is required for a real run")
     if args.data_parallel < 1:
