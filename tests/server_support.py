@@ -160,9 +160,9 @@ def wait_for_state(req, states=(RequestState.ABORTED,), timeout_s: float = 5.0) 
 
 
 def sse_events(response) -> list:
-    """Parse ``data: ...`` lines of a server-sent-event stream; ``[DONE]`` is kept as the string."""
+    """Parse ``data: ...`` lines of an SSE response (or of its ``iter_lines()`` already begun); ``[DONE]`` kept."""
     events = []
-    for line in response.iter_lines():
+    for line in response.iter_lines() if hasattr(response, "iter_lines") else response:
         if line.startswith("data: "):
             payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
