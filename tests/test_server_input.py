@@ -73,6 +73,8 @@ def post_raw(client, path: str, raw: bytes):
             "messages.0.content",
         ),
         (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "user": "\\udbff"}', "user"),
+        (COMPLETIONS, b'{"prompt": "x", "\\ud800": 1}', "\\ud800"),
+        (CHAT, b'{"messages": [{"role": "user", "\\ud800x": "x"}]}', "messages.0.\\ud800x"),
     ],
 )
 def test_lone_surrogate_is_400_naming_the_field(client, path, raw, field):

@@ -85,8 +85,9 @@ class _SamplingBody(_Strict):
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
         if (path := _find_lone_surrogate(data, "")) is not None:
+            field = path.encode("utf-8", "backslashreplace").decode("utf-8")  # the path may hold one too
             raise PydanticCustomError(
-                LONE_SURROGATE, "contains a lone surrogate (not valid Unicode)", {"field": path}
+                LONE_SURROGATE, "contains a lone surrogate (not valid Unicode)", {"field": field}
             )
         return data
 
