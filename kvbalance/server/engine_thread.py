@@ -76,14 +76,9 @@ class EngineThread:
             stream = self._streams.pop(rid, None)
         if stream is None:
             return
-        req = self.engine.requests.get(rid)
         self.engine.abort(rid)
         self._forget(rid)
-        self.metrics.request_done(
-            "abort",
-            prefix_hit_tokens=req.prefix_hit_tokens if req else 0,
-            num_prompt_tokens=req.num_prompt_tokens if req else 0,
-        )
+        self.metrics.request_done("abort")
         self._send(stream, self._final(stream, "abort"))
 
     def _add_now(self, stream: RequestStream, ids: list[int], params: SamplingParams, fill: bool) -> None:
@@ -110,7 +105,7 @@ class EngineThread:
 
     def _room(self, num_prompt_tokens: int) -> int:
         """Largest output budget the context and the whole KV cache leave a prompt (may be < 1)."""
-        capacity = self.engine.instance.load().kv_capacity_tokens
+        capacity = self.engine.instance.kv_capacity_tokens
         return min(self.max_context - num_prompt_tokens, capacity - num_prompt_tokens + 1)
 
     def _dispatch(self, outputs) -> list[tuple[RequestStream, StreamOutput]]:
@@ -131,14 +126,7 @@ class EngineThread:
             self.metrics.add_tokens(generation_tokens=len(out.new_token_ids))
             if out.finished:
                 self._forget(out.request_id)
-                self.metrics.request_done(
-                    out.finish_reason or "stop",
-                    req.ttft_s,
-                    req.tpot_s,
-                    req.e2e_s,
-                    prefix_hit_tokens=req.prefix_hit_tokens,
-                    num_prompt_tokens=req.num_prompt_tokens,
-                )
+                self.metrics.request_done(out.finish_reason or "stop", req.ttft_s, req.tpot_s, req.e2e_s)
             item = StreamOutput(
                 out.request_id,
                 list(out.new_token_ids),
@@ -194,11 +182,4 @@ class EngineThread:
             pass
 
     def _publish_state(self) -> None:
-        load = self.engine.instance.load()
-        self.metrics.set_engine_state(load, kv_free_blocks=_free_blocks(self.engine.instance))
-
-
-def _free_blocks(instance) -> int:
-    """Blocks on the free list; ``InstanceLoad`` does not carry it, so read the pool if there is one."""
-    pool = getattr(instance, "pool", None)
-    return int(getattr(pool, "num_free", 0))
+        self.metrics.set_engine_state(self.engine.instance.load(), self.engine.executor.block_size)

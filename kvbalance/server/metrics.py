@@ -2,8 +2,8 @@
 
 ``ServerMetrics`` holds counters and latency histograms fed by the engine loop and the HTTP layer (429s
 count as ``requests_total{finish_reason="overloaded"}``), plus a collector that mirrors the engine's latest
-``InstanceLoad`` snapshot (running / waiting requests, KV usage, preemptions, steps) taken after every
-step. Prefix-cache hits are counted per request as it ends. ``render()`` is ``generate_latest``.
+``InstanceLoad`` snapshot (running / waiting requests, KV usage, prefix hits, preemptions, steps) taken
+after every step. ``render()`` is ``generate_latest``.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ GAUGES = {
     "kv_capacity_tokens": "KV cache capacity in tokens.",
     "kv_usage_ratio": "KV cache tokens held by running requests over capacity (0..1).",
     "kv_free_blocks": "KV blocks on the free list (cached-but-idle blocks not included).",
-    "prefix_cache_hit_rate": "Prompt tokens served by the prefix cache over prompt tokens of ended requests.",
+    "prefix_cache_hit_rate": "Prompt tokens served by the prefix cache over prompt tokens admitted.",
 }
 ENGINE_COUNTERS = {  # mirrored from the engine's snapshot (the engine owns the count)
     "preemptions": "Requests preempted (KV freed, recomputed later).",
+    "prefix_hit_tokens": "Prompt tokens served by the prefix cache.",
     "engine_steps": "Engine steps executed.",
 }
 
@@ -70,9 +71,6 @@ class ServerMetrics:
             PREFIX + "prompt_tokens", "Prompt tokens of accepted requests.", registry=r
         )
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Output tokens generated.", registry=r)
-        self.prefix_hit_tokens = Counter(
-            PREFIX + "prefix_hit_tokens", "Prompt tokens served by the prefix cache.", registry=r
-        )
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Time from arrival to the first output token.",
@@ -93,17 +91,11 @@ class ServerMetrics:
         )
         self._engine = _EngineCollector()
         r.register(self._engine)
-        self._lock = threading.Lock()
-        self._ended_prompt_tokens = 0
-        self._ended_hit_tokens = 0
 
     # -- writers -------------------------------------------------------------------
-    def set_engine_state(self, load, kv_free_blocks: int) -> None:
-        """Mirror an ``InstanceLoad`` snapshot (and the pool's free-list length) into the gauges."""
-        with self._lock:
-            hit_rate = (
-                self._ended_hit_tokens / self._ended_prompt_tokens if self._ended_prompt_tokens else 0.0
-            )
+    def set_engine_state(self, load, block_size: int) -> None:
+        """Mirror an ``InstanceLoad`` snapshot into the gauges and the engine-owned counters."""
+        free_tokens = load.kv_capacity_tokens - load.kv_used_tokens - load.kv_cached_tokens
         with self._engine.lock:
             self._engine.gauges.update(
                 num_requests_running=load.num_running,
@@ -111,10 +103,16 @@ class ServerMetrics:
                 kv_used_tokens=load.kv_used_tokens,
                 kv_capacity_tokens=load.kv_capacity_tokens,
                 kv_usage_ratio=load.kv_utilization,
-                kv_free_blocks=kv_free_blocks,
-                prefix_cache_hit_rate=hit_rate,
+                kv_free_blocks=free_tokens // block_size,
+                prefix_cache_hit_rate=load.prefix_hit_tokens / load.admitted_tokens
+                if load.admitted_tokens
+                else 0.0,
             )
-            self._engine.counters.update(preemptions=load.num_preemptions, engine_steps=load.num_steps)
+            self._engine.counters.update(
+                preemptions=load.num_preemptions,
+                prefix_hit_tokens=load.prefix_hit_tokens,
+                engine_steps=load.num_steps,
+            )
 
     def add_tokens(self, prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
         if prompt_tokens:
@@ -128,15 +126,8 @@ class ServerMetrics:
         ttft_s: float | None = None,
         tpot_s: float | None = None,
         e2e_s: float | None = None,
-        prefix_hit_tokens: int = 0,
-        num_prompt_tokens: int = 0,
     ) -> None:
         self.requests.labels(finish_reason=reason).inc()
-        if prefix_hit_tokens:
-            self.prefix_hit_tokens.inc(prefix_hit_tokens)
-        with self._lock:
-            self._ended_hit_tokens += prefix_hit_tokens
-            self._ended_prompt_tokens += num_prompt_tokens
         for hist, v in ((self.ttft, ttft_s), (self.tpot, tpot_s), (self.e2e, e2e_s)):
             if v is not None and math.isfinite(v):
                 hist.observe(v)
