@@ -52,6 +52,13 @@ def oai(base_url):
 
 
 # -- plain endpoints -----------------------------------------------------------------------------
+def test_openapi_schema_describes_both_generation_endpoints(client):
+    schema = client.get("/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions"} <= set(schema["paths"])
+    fields = schema["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"prompt", "n", "logit_bias", "echo", "presence_penalty"} <= set(fields)
+
+
 def test_health_and_models(client, oai):
     assert client.get("/health").json()["status"] == "ok"
     cards = oai.models.list().data

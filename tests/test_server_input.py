@@ -166,6 +166,20 @@ def test_unsupported_fields_are_400_naming_them(client, path, extra, field):
     assert_openai_error(client.post(path, json={**base, "max_tokens": 2, **extra}), 400, field)
 
 
+def test_chat_template_that_refuses_the_messages_is_400_naming_messages(client, engine):
+    from server_support import CHAT_TEMPLATE
+
+    strict = "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('start with a user turn') }}{% endif %}"
+    engine.tokenizer.chat_template = strict + CHAT_TEMPLATE
+    try:
+        r = client.post(CHAT, json={"messages": [{"role": "assistant", "content": "x"}], "max_tokens": 1})
+        err = assert_openai_error(r, 400, "messages")
+        assert "start with a user turn" in err["message"]
+        assert client.post(CHAT, json={"messages": MSGS, "max_tokens": 1}).status_code == 200
+    finally:
+        engine.tokenizer.chat_template = CHAT_TEMPLATE
+
+
 def test_supported_no_op_values_are_accepted(client):
     ok = {"response_format": {"type": "text"}, "tool_choice": "none", "user": "u"}
     r = client.post(CHAT, json={"messages": MSGS, "max_tokens": 2, **ok})

@@ -155,6 +155,26 @@ def test_shutdown_ends_running_streams_after_the_drain_timeout_with_an_error_and
     assert done_at[0] < 3.5  # the drain timeout, not the >= 4 s the request needed
 
 
+def test_shutdown_answers_a_waiting_non_streaming_request_503_after_the_drain_timeout():
+    engine = make_engine(step_delay_s=0.01)
+    with live(engine, drain_timeout_s=0.3) as s:
+
+        async def go():
+            async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+                task = asyncio.ensure_future(c.post("/v1/completions", json=_long_body(0, False)))
+                while not engine.seen:
+                    await asyncio.sleep(0.01)
+                s.server.should_exit = True
+                return await task
+
+        r = asyncio.run(go())
+        s.thread.join(15)
+    assert r.status_code == 503 and "drain timeout" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "server_error"
+    (req,) = engine.seen.values()
+    assert req.state is RequestState.ABORTED
+
+
 def test_shutdown_lets_a_short_request_finish_within_the_drain_timeout():
     engine = make_engine()
     with live(engine, drain_timeout_s=10) as s, httpx.Client(base_url=s.url, timeout=30) as c:

@@ -164,10 +164,19 @@ class AsyncEngine(EngineThread):
             )
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        """Token ids of text, token ids or chat messages (runs on the tokenizer thread)."""
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            return self.engine.chat_prompt(prompt)
-        return self.engine.encode(prompt)
+        """Token ids of text, token ids or chat messages (runs on the tokenizer thread).
+
+        A tokenizer or chat template that raises (a template refusing the roles' order, say) is the
+        request's fault: ValueError naming the field.
+        """
+        chat = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
+        try:
+            return self.engine.chat_prompt(prompt) if chat else self.engine.encode(prompt)
+        except ValueError:
+            raise
+        except Exception as exc:
+            what = "messages: the chat template" if chat else "prompt: the tokenizer"
+            raise ValueError(f"{what} refused it ({type(exc).__name__}: {exc})") from exc
 
     async def submit(
         self,

@@ -143,9 +143,9 @@ class OpenAIRoutes:
 
             return sse_response(choices, chunk, closing)
 
-        outs = await choices.collect()
-        if outs is None:
-            return Response(status_code=499)
+        outs = await _collect(choices)
+        if isinstance(outs, Response):
+            return outs
         merged = {i: merge(o) for i, o in outs.items()}
         listed = [choice(i, m, echo[i // body.n] + m.text_delta) for i, m in sorted(merged.items())]
         n_out = sum(m.num_output_tokens for m in merged.values())
@@ -204,9 +204,9 @@ class OpenAIRoutes:
             prelude = [self._envelope(rid, kind, [c], None, body.include_usage) for c in first]
             return sse_response(choices, chunk, closing, prelude)
 
-        outs = await choices.collect()
-        if outs is None:
-            return Response(status_code=499)
+        outs = await _collect(choices)
+        if isinstance(outs, Response):
+            return outs
         listed = []
         for i, o in sorted(outs.items()):
             m = merge(o)
@@ -221,3 +221,14 @@ class OpenAIRoutes:
             )
         n_out = sum(merge(o).num_output_tokens for o in outs.values())
         return self._envelope(rid, "chat.completion", listed, usage(prompt_lens[0], n_out), False)
+
+
+async def _collect(choices: Choices) -> dict[int, list[StreamOutput]] | Response:
+    """Every choice's outputs, or the response to give instead (client gone, shutdown, engine failure)."""
+    try:
+        outs = await choices.collect()
+    except EngineStopped as exc:
+        return error_response(503, str(exc))
+    except Exception as exc:
+        return error_response(500, str(exc) or type(exc).__name__)
+    return Response(status_code=499) if outs is None else outs
