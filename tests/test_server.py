@@ -197,7 +197,7 @@ def test_one_request_with_a_list_of_prompts_equals_the_prompts_one_by_one(oai):
 def test_metrics_count_exactly_what_one_request_did():
     engine = make_engine()
     with live_server(engine) as url, httpx.Client(base_url=url, timeout=30) as c:
-        assert c.get("/metrics").headers["content-type"].startswith("text/plain")
+        assert c.get("/metrics").headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
         before = metric_values(c)
         assert before["kvbalance_kv_capacity_tokens"] == 4096
         assert before["kvbalance_generation_tokens_total"] == 0
