@@ -53,7 +53,7 @@ message = st.fixed_dictionaries(
 common = {
     "temperature": junk | st.floats(0, 3, allow_subnormal=False),
     "top_p": junk | st.floats(0, 1, allow_subnormal=False),
-    "top_k": junk | st.integers(-2, 300),
+    "top_k": junk | st.integers(-2, 300) | st.integers(2**31 - 2, 2**70),
     "seed": junk,
     "stop": junk,
     "stream": st.booleans() | junk,

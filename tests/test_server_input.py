@@ -114,6 +114,8 @@ def test_malformed_json_names_the_body_with_the_offset_in_the_message(client):
         (b'{"prompt": "x", "top_p": 0}', "top_p"),
         (b'{"prompt": "x", "temperature": -1}', "temperature"),
         (b'{"prompt": "x", "stop": 3}', "stop"),
+        (b'{"prompt": "x", "stop": [' + b",".join([b'"s"'] * 65) + b"]}", "stop"),
+        (b'{"prompt": "x", "temperature": 1, "top_k": 1180591620717411303424}', "top_k"),
     ],
 )
 def test_wrong_types_and_values_are_400_naming_the_field(client, raw, field):

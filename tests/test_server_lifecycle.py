@@ -1,7 +1,8 @@
 """Requests that end early: client disconnects, aborts reaching the engine, the drain timeout at shutdown.
 
-The engine sleeps 10 ms per step, so a 400-token request needs at least 4 s: a test that sees it ABORTED
-with fewer tokens knows the abort reached the engine, whatever the machine's speed. Also: tokenising runs
+The engine sleeps 20 ms per step, so a 400-token request needs at least 8 s: a test that sees it ABORTED
+with fewer tokens knows the abort reached the engine, whatever the machine's speed (the waits for that
+are bounds, not timings: a request that finished instead is FINISHED, and fails the test). Also: tokenising runs
 off the engine thread, and stream timeouts work where ``asyncio.TimeoutError`` is not the builtin (3.10).
 """
 
@@ -30,12 +31,13 @@ from kvbalance.request import RequestState  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::Warning")
 
-LONG = 400  # output tokens: >= 4 s at 10 ms per step
+LONG = 400  # output tokens: >= 8 s at 20 ms per step
+STEP_DELAY_S = 0.02
 
 
 @pytest.fixture(scope="module")
 def slow_engine():
-    return make_engine(step_delay_s=0.01)
+    return make_engine(step_delay_s=STEP_DELAY_S)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,7 @@ def test_disconnect_mid_stream_aborts_the_request_in_the_engine_and_frees_its_kv
                     break
             (req,) = _new_requests(slow_engine, before)
             assert req.state is RequestState.RUNNING and slow_engine.instance.load().kv_used_tokens > 0
-    wait_for_state(req, timeout_s=3.0)  # well before the >= 4 s the request needs
+    wait_for_state(req, timeout_s=6.0)  # ABORTED, not FINISHED: it needed >= 8 s
     assert req.num_output_tokens < LONG and req.finish_reason != "length"
     wait_until_idle(slow_engine)
     slow_engine.instance.check_invariants()
@@ -101,11 +103,12 @@ def test_several_simultaneous_disconnects_streaming_and_not(server, slow_engine)
     reqs = _new_requests(slow_engine, before)
     assert len(reqs) == 5
     for req in reqs:
-        wait_for_state(req, timeout_s=3.0)
+        wait_for_state(req, timeout_s=6.0)
         assert req.num_output_tokens < LONG
     wait_until_idle(slow_engine)
     slow_engine.instance.check_invariants()
-    m = metric_values(httpx.Client(base_url=server.url))
+    with httpx.Client(base_url=server.url) as c:
+        m = metric_values(c)
     assert m['kvbalance_requests_total{finish_reason="abort"}'] >= 5
 
 
@@ -113,7 +116,7 @@ def test_async_engine_abort_reaches_the_engine():
     from kvbalance.request import SamplingParams
     from kvbalance.server.async_engine import AsyncEngine
 
-    engine = make_engine(step_delay_s=0.01)
+    engine = make_engine(step_delay_s=STEP_DELAY_S)
     aengine = AsyncEngine(engine)
     aengine.start()
 
@@ -126,7 +129,7 @@ def test_async_engine_abort_reaches_the_engine():
     try:
         asyncio.run(go())
         req = engine.seen["r"]
-        wait_for_state(req, timeout_s=3.0)
+        wait_for_state(req, timeout_s=6.0)
         assert req.num_output_tokens < LONG
         wait_until_idle(engine)
     finally:
@@ -134,16 +137,13 @@ def test_async_engine_abort_reaches_the_engine():
 
 
 def test_shutdown_ends_running_streams_after_the_drain_timeout_with_an_error_and_done():
-    engine = make_engine(step_delay_s=0.01)
+    engine = make_engine(step_delay_s=STEP_DELAY_S)
     with live(engine, drain_timeout_s=0.3) as s, httpx.Client(base_url=s.url, timeout=30) as c:
-        done_at = []
         with c.stream("POST", "/v1/completions", json=_long_body(0, True)) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
-            t0 = time.monotonic()
             s.server.should_exit = True  # what SIGTERM does
             events = sse_events(lines)
-            done_at.append(time.monotonic() - t0)
         s.thread.join(15)
         assert not s.thread.is_alive()
     assert events[-1] == "[DONE]"
@@ -152,11 +152,10 @@ def test_shutdown_ends_running_streams_after_the_drain_timeout_with_an_error_and
     (req,) = engine.seen.values()
     assert req.state is RequestState.ABORTED and req.num_output_tokens < LONG
     assert s.server.num_cut_at_shutdown == 1
-    assert done_at[0] < 3.5  # the drain timeout, not the >= 4 s the request needed
 
 
 def test_shutdown_answers_a_waiting_non_streaming_request_503_after_the_drain_timeout():
-    engine = make_engine(step_delay_s=0.01)
+    engine = make_engine(step_delay_s=STEP_DELAY_S)
     with live(engine, drain_timeout_s=0.3) as s:
 
         async def go():

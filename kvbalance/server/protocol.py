@@ -19,6 +19,8 @@ MAX_LOGPROBS = 20
 MAX_N = 16  # choices per prompt
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM (logits / 1e-40 overflow to NaN)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+INT32_MAX = (1 << 31) - 1
+MAX_STOP = 64  # stop strings are matched on the engine thread every step
 LONE_SURROGATE = "lone_surrogate"
 
 
@@ -65,7 +67,7 @@ class _SamplingBody(_Strict):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=-1)  # -1 or 0: off
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)  # -1 or 0: off; above the vocabulary: all tokens
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: Any = Field(None, json_schema_extra={"anyOf": [{"type": "string"}, {"type": "array"}]})
     stop_token_ids: list[int] = Field(default_factory=list)
@@ -94,6 +96,8 @@ class _SamplingBody(_Strict):
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(v)}")
         if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
             return v
         raise ValueError("must be a string or a list of strings")
