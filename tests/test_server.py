@@ -221,6 +221,7 @@ def test_metrics_count_exactly_what_one_request_did():
     assert m["kvbalance_num_requests_running"] == 0 and m["kvbalance_num_requests_waiting"] == 0
     assert m["kvbalance_kv_used_tokens"] == 0 and m["kvbalance_kv_usage_ratio"] == 0
     assert m["kvbalance_preemptions_total"] == 0
+    assert m["kvbalance_kv_free_blocks"] == 4096 // 64  # 27 tokens never filled a 64-token block to cache
 
 
 def test_metrics_prefix_hits_count_the_cached_block():
@@ -233,3 +234,4 @@ def test_metrics_prefix_hits_count_the_cached_block():
         m = metric_values(c)
     assert m["kvbalance_prefix_hit_tokens_total"] == 64
     assert m["kvbalance_prefix_cache_hit_rate"] == pytest.approx(64 / 140)
+    assert m["kvbalance_kv_free_blocks"] == 4096 // 64 - 1  # the cached block is idle, not free
