@@ -1,8 +1,8 @@
 """A bounded property-based fuzz of the HTTP API: no body makes a 5xx, and the server stays healthy.
 
-Hypothesis builds bodies from the fields the API knows, with values of every JSON type (huge ints, NaN,
-Infinity, lone surrogates, nested junk) and raw byte strings; derandomised, so every run sends the same
-examples. Output budgets stay tiny so the whole fuzz takes seconds. Floats are drawn without subnormals:
+Hypothesis builds mostly valid bodies from the fields the API knows (text may hold lone surrogates), with
+at most one field replaced by a value of any JSON type (huge ints, NaN, Infinity, nested junk) or an
+unknown field added, plus raw byte strings; derandomised, so every run sends the same examples. Output budgets stay tiny so the whole fuzz takes seconds. Floats are drawn without subnormals:
 the native kernels are built with -ffast-math, which flushes denormals process-wide once loaded, and
 hypothesis refuses to draw subnormals then.
 """
@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from server_support import live_server, make_engine, wait_until_idle  # noqa: E402
+from server_support import byte_tokenizer, live_server, make_engine, wait_until_idle  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::Warning")
 
@@ -31,7 +31,10 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 
-text = st.text(st.characters(codec="utf-8") | st.characters(categories=["Cs"]), max_size=12)
+clean_text = st.text(st.characters(codec="utf-8"), max_size=12)
+text = clean_text | st.text(
+    st.characters(codec="utf-8") | st.characters(categories=["Cs"]), min_size=1, max_size=4
+)
 scalars = (
     st.none()
     | st.booleans()
@@ -43,50 +46,76 @@ scalars = (
 junk = st.recursive(
     scalars, lambda ch: st.lists(ch, max_size=3) | st.dictionaries(text, ch, max_size=3), max_leaves=6
 )
-small_budget = st.integers(1, 3) | st.sampled_from(["2", 2.5, True, 0, -1, 10**30])  # no None: chat fills
-token_ids = st.lists(st.integers(-2, 300), min_size=0, max_size=6)
-prompt = text | token_ids | st.lists(text | token_ids, max_size=3) | junk
-message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["user", "system", "assistant", "wizard"]) | junk},
-    optional={"content": text | junk, "name": text},
-)
-common = {
-    "temperature": junk | st.floats(0, 3, allow_subnormal=False),
-    "top_p": junk | st.floats(0, 1, allow_subnormal=False),
-    "top_k": junk | st.integers(-2, 300) | st.integers(2**31 - 2, 2**70),
-    "seed": junk,
-    "stop": junk,
-    "stream": st.booleans() | junk,
-    "stream_options": junk | st.just({"include_usage": True}),
-    "n": st.integers(-1, 3) | junk,
-    "presence_penalty": junk | st.floats(-3, 3, allow_subnormal=False),
-    "frequency_penalty": junk | st.floats(-3, 3, allow_subnormal=False),
-    "logit_bias": junk
-    | st.dictionaries(st.integers(-1, 300).map(str), st.floats(-150, 150, allow_subnormal=False), max_size=3),
-    "model": st.just("tiny-llama") | junk,
-    "ignore_eos": st.booleans() | junk,
-    "stop_token_ids": token_ids | junk,
-    "user": junk,
-    "response_format": junk | st.just({"type": "text"}),
+token_ids = st.lists(st.integers(0, 255), min_size=1, max_size=6)
+
+
+def floats(lo: float, hi: float):
+    return st.floats(lo, hi, allow_subnormal=False)
+
+
+# Mostly valid bodies (so they reach tokenising, sampling and streaming), each with at most one field
+# replaced by junk or an unknown field added, and text that may hold lone surrogates.
+VALID_COMMON = {
+    "temperature": floats(0, 3) | st.sampled_from([1e-40, 1e-6, 50.0]),
+    "top_p": floats(0.01, 1),
+    "top_k": st.integers(-1, 300),
+    "seed": st.integers(-(2**63), 2**63 - 1),
+    "stop": text | st.lists(text, max_size=3),
+    "stream": st.booleans(),
+    "n": st.integers(1, 3),
+    "presence_penalty": floats(-2, 2),
+    "frequency_penalty": floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 255).map(str), floats(-100, 100), max_size=3),
+    "model": st.just("tiny-llama"),
+    "ignore_eos": st.booleans(),
+    "stop_token_ids": st.lists(st.integers(0, 255), max_size=3),
+    "user": clean_text,
+    "response_format": st.just({"type": "text"}),
 }
-completion_body = st.fixed_dictionaries(
-    {"prompt": prompt, "max_tokens": small_budget},
-    optional={
-        **common,
-        "logprobs": junk | st.integers(-1, 25),
-        "echo": st.booleans() | junk,
-        "best_of": junk,
-    },
+VALID_COMPLETION = {
+    **VALID_COMMON,
+    "logprobs": st.integers(0, 20),
+    "echo": st.booleans(),
+    "prompt": text | token_ids | st.lists(clean_text | token_ids, min_size=1, max_size=3),
+}
+message = st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "system", "assistant"])}, optional={"content": text, "name": clean_text}
 )
-chat_body = st.fixed_dictionaries(
-    {"messages": st.lists(message, max_size=3) | junk, "max_tokens": small_budget},
-    optional={**common, "logprobs": st.booleans() | junk, "top_logprobs": junk | st.integers(-1, 25)},
-)
+VALID_CHAT = {
+    **VALID_COMMON,
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(0, 20),
+    "messages": st.lists(message, min_size=1, max_size=3),
+}
+
+
+def bodies(fields: dict, required: tuple[str, ...]):
+    optional = {k: v for k, v in fields.items() if k not in required}
+    base = st.fixed_dictionaries(
+        {"max_tokens": st.integers(1, 3), **{k: fields[k] for k in required}}, optional=optional
+    )
+    names = st.sampled_from([*fields, "max_tokens", "best_of", "stream_options", "unknown_field"])
+    corrupt = st.none() | st.tuples(names, junk | st.sampled_from(["2", 2.5, True, 0, -1, 10**30]))
+
+    def apply(pair):
+        body, bad = pair
+        if bad is not None:
+            body[bad[0]] = bad[1]
+        if body.get("max_tokens") is None or body.get("max_tokens") == 10**30 and "messages" in body:
+            body["max_tokens"] = 1  # never let chat fill the whole context: the fuzz must stay quick
+        return body
+
+    return st.tuples(base, corrupt).map(apply)
+
+
+completion_body = bodies(VALID_COMPLETION, ("prompt",))
+chat_body = bodies(VALID_CHAT, ("messages",))
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return make_engine()
+    pytest.importorskip("transformers")
+    return make_engine(byte_tokenizer())  # a real HF tokenizer: it raises on lone surrogates
 
 
 @pytest.fixture(scope="module")
