@@ -35,8 +35,9 @@ class DrainingServer(uvicorn.Server):
         drain = asyncio.ensure_future(self.aengine.drain(self.drain_timeout_s))
         try:
             await super().shutdown(sockets)
-        finally:
-            if drain.done() and not drain.cancelled() and drain.exception() is None:
+        finally:  # the connections may close before the drain's next look: let it see that
+            done, _ = await asyncio.wait({drain}, timeout=self.drain_timeout_s + 1.0)
+            if done and not drain.cancelled() and drain.exception() is None:
                 self.num_cut_at_shutdown = drain.result()
             drain.cancel()
 
