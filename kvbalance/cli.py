@@ -22,6 +22,7 @@ COMMANDS = {
     "serve": "serve",
     "bench": "bench",
     "profile": "profile",
+    "calibrate": "calibrate",
 }
 
 
