@@ -23,6 +23,7 @@ COMMANDS = {
     "bench": "bench",
     "profile": "profile",
     "calibrate": "calibrate",
+    "batch": "batch",
 }
 
 
