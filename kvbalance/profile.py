@@ -148,7 +148,7 @@ def _build_executor(model: str, num_blocks: int, block_size: int, threads: int, 
 
 def _plan(point: GridPoint, block_size: int, vocab: int, rng: np.random.Generator):
     """A BatchPlan for ``point``: one Request per sequence on its own blocks, with random token ids."""
-    from kvbalance.executor.base import BatchPlan, ScheduledSeq
+    from kvbalance.batch import BatchPlan, ScheduledSeq
     from kvbalance.request import Request, SamplingParams
 
     seqs, next_block = [], 0
@@ -378,7 +378,7 @@ def run_real(cfg: ProfileConfig, prompts: list[list[int]], outputs: list[int]) -
         "executor_s": step_s,
         "forward_s": forward_s,
         "host_outside_executor_s": makespan - step_s,
-        "preemptions": eng.instance.scheduler.num_preemptions,
+        "preemptions": eng.instance.load().num_preemptions,
         "_steps": list(rec.log),
     }
 
@@ -417,7 +417,7 @@ def run_predicted(
         "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / run.makespan_s,
         "num_steps": run.num_steps,
-        "preemptions": result.instance.scheduler.num_preemptions,
+        "preemptions": result.instance.load().num_preemptions,
     }
 
 
@@ -609,48 +609,6 @@ def _jsonable(x):
     if isinstance(x, (tuple, set)):
         return list(x)
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
-
-
-# -- CLI ----------------------------------------------------------------------------------------------------
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("profile", help="time the real executor here, fit a CPU hardware preset, validate it")
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--threads", type=int, default=1, help="compute threads (torch.set_num_threads)")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    p.add_argument("--quick", action="store_true", help="a handful of grid points and a small validation run")
-    p.add_argument("--no-validate", action="store_true", help="profile and fit only")
-    p.add_argument("--num-requests", type=int, help="validation requests")
-    p.add_argument("--max-input", type=int, dest="max_input_tokens", help="cap on validation prompt lengths")
-    p.add_argument(
-        "--max-output", type=int, dest="max_output_tokens", help="cap on validation output lengths"
-    )
-    p.add_argument("--chunk-size", type=int, help="token budget per step (real engine and simulation)")
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--kv-tokens", type=int, help="KV capacity in tokens (real engine and simulation)")
-    p.add_argument("--repeats", type=int, help="timed repeats per grid point (median)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--clock", choices=["wall", "cpu"], help="fit/validate on wall time (default) or CPU time")
-
-
-def cmd_profile(args) -> int:
-    kw = {k: getattr(args, k) for k in ("num_requests", "max_input_tokens", "max_output_tokens", "chunk_size",
-                                         "max_num_seqs", "kv_tokens", "repeats", "seed", "clock")}  # fmt: skip
-    kw = {k: v for k, v in kw.items() if v is not None}
-    kw.update(threads=args.threads, validate=not args.no_validate)
-    cfg = (
-        ProfileConfig.quick_config(args.model, **kw) if args.quick else ProfileConfig(model=args.model, **kw)
-    )
-    result = run_profile(cfg, args.out)
-    v = result.get("validation")
-    if v is not None and not v["within_20pct"]:
-        print("note: the fitted preset missed the real run by more than 20% (see validation.json)")
-    return 0
-
-
-def register(extra: dict) -> None:
-    extra["profile"] = (add_parser, cmd_profile)
 
 
 __all__ = [

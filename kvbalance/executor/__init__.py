@@ -1,5 +1,6 @@
 """Executors: run a scheduler's batch plan, simulated (cost model) or for real (PyTorch)."""
 
-from kvbalance.executor.base import BatchPlan, Executor, ScheduledSeq, StepBreakdown, StepResult
+from kvbalance.batch import BatchPlan, ScheduledSeq, StepBreakdown, StepResult
+from kvbalance.executor.base import Executor
 
 __all__ = ["BatchPlan", "Executor", "ScheduledSeq", "StepBreakdown", "StepResult"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import zlib
 
-from kvbalance.executor.base import BatchPlan, KVTransfer, StepResult
+from kvbalance.batch import BatchPlan, KVTransfer, StepResult
 from kvbalance.perf.cost import CostModel, breakdown_total_s, transfer_time
 from kvbalance.specs import LinkSpec, get_link
 

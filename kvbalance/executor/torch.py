@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from kvbalance.executor.base import BatchPlan, KVTransfer, ScheduledSeq, StepBreakdown, StepResult
+from kvbalance.batch import BatchPlan, KVTransfer, ScheduledSeq, StepBreakdown, StepResult
 from kvbalance.model.llama import (
     LlamaConfig,
     LlamaModel,

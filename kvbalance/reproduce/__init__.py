@@ -6,34 +6,7 @@ that writes a table (CSV), plots (PNG) and ``results.json`` into ``out_dir`` and
 
 from __future__ import annotations
 
-import importlib
-import json
-from pathlib import Path
-
 EXPERIMENTS = {
     "queueing": "queueing-theory stability: mu from theory vs the simulator's saturation throughput",
     "elastic": "elastic KV reserve: chunk sizes vs elastic lending vs static overcommit",
 }
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("reproduce", help="reproduce a paper's headline result")
-    p.add_argument(
-        "name", choices=sorted(EXPERIMENTS), help="; ".join(f"{k}: {v}" for k, v in EXPERIMENTS.items())
-    )
-    p.add_argument("--quick", action="store_true", help="smaller run (minutes, not tens of minutes)")
-    p.add_argument("--out", default=None, help="output folder (default runs/reproduce-NAME)")
-
-
-def cmd_reproduce(args) -> int:
-    mod = importlib.import_module(f"kvbalance.reproduce.{args.name}")
-    out = Path(args.out or f"runs/reproduce-{args.name}")
-    out.mkdir(parents=True, exist_ok=True)
-    results = mod.run(out, quick=args.quick)
-    print(json.dumps(results, indent=2, sort_keys=True, default=str)[:4000])
-    print(f"wrote {out}/results.json")
-    return 0
-
-
-def register(extra: dict) -> None:
-    extra["reproduce"] = (add_parser, cmd_reproduce)

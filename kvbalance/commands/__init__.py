@@ -1,0 +1,1 @@
+"""The ``kvbalance`` subcommands, one module each (``add_parser(subparsers)``, ``run(args) -> int``)."""

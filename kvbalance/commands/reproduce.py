@@ -1,0 +1,28 @@
+"""``kvbalance reproduce NAME``: run one paper experiment (``kvbalance.reproduce.NAME``) into a folder."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from kvbalance.reproduce import EXPERIMENTS
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("reproduce", help="reproduce a paper's headline result")
+    p.add_argument(
+        "name", choices=sorted(EXPERIMENTS), help="; ".join(f"{k}: {v}" for k, v in EXPERIMENTS.items())
+    )
+    p.add_argument("--quick", action="store_true", help="smaller run (minutes, not tens of minutes)")
+    p.add_argument("--out", default=None, help="output folder (default runs/reproduce-NAME)")
+
+
+def run(args) -> int:
+    mod = importlib.import_module(f"kvbalance.reproduce.{args.name}")
+    out = Path(args.out or f"runs/reproduce-{args.name}")
+    out.mkdir(parents=True, exist_ok=True)
+    results = mod.run(out, quick=args.quick)
+    print(json.dumps(results, indent=2, sort_keys=True, default=str)[:4000])
+    print(f"wrote {out}/results.json")
+    return 0
