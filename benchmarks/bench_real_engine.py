@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "sharegpt_opt_lengths_filtered2048.csv"
+TRACE_NAME = "sharegpt_opt_lengths_filtered2048.csv"  # in $KVBALANCE_TRACES, else ../shared/traces
 RESULTS = ROOT / "benchmarks" / "results" / "real_engine.json"
 VOCAB = 49152
 ALL_SYSTEMS = ("vllm-default", "vllm-kvb", "kvb-default", "kvb-best", "hf")
@@ -340,7 +340,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from kvbalance.model.weights import load_smollm2
+    from kvbalance.workloads.presets import default_traces_dir
 
+    trace = default_traces_dir() / TRACE_NAME
+    if not trace.is_file():
+        raise SystemExit(
+            f"trace: {trace} not found (set KVBALANCE_TRACES to the folder holding {TRACE_NAME})"
+        )
     config = load_smollm2(with_tokenizer=False).config
     systems = [s for s in args.systems.split(",") if s]
     bad = [s for s in systems if s not in ALL_SYSTEMS]
@@ -364,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "workloads": {},
     }
     for wl in args.workloads.split(","):
-        lengths = load_lengths(TRACE, wl, args.num_requests, args.max_input, args.max_output)
+        lengths = load_lengths(trace, wl, args.num_requests, args.max_input, args.max_output)
         prompts, outputs = make_prompts(lengths), [o for _, o in lengths]
         flops = matmul_flops(config, prompts, outputs)
         info = {

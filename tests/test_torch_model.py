@@ -380,3 +380,16 @@ def test_float32_cpu_executor_packs_its_weights():
         TINY, random_weights(TINY, seed=0), num_blocks=8, block_size=BLOCK, dtype=torch.bfloat16
     )
     assert not ex16.packed_weights
+
+
+@pytest.mark.skipif(not llama._can_pack(torch.zeros(1)), reason="no MKL in this torch build")
+def test_weights_overwritten_in_place_are_packed_again():
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(32, 48, bias=False)
+    x = torch.randn(5, 32, generator=g)
+    with torch.inference_mode():
+        layer.mkl_packed, layer.mkl_packed_version = llama._pack(layer.weight), layer.weight._version
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 32, generator=g))  # e.g. weights migrated in from another executor
+    with torch.inference_mode():
+        torch.testing.assert_close(llama.linear(x, layer), x @ layer.weight.T, atol=1e-5, rtol=1e-5)

@@ -383,15 +383,24 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
 
 
+def _version(w: torch.Tensor) -> int | None:
+    return None if w.is_inference() else w._version  # inference tensors keep no version counter
+
+
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """``layer(x)``, through MKL's pre-packed weights where :meth:`LlamaModel.pack_weights_for_cpu` made them.
 
     fp32 GEMMs of a decode step's few rows reach ~110 GFLOP/s with the plain weight on this CPU and
-    ~140 packed (the weight panels are laid out once instead of being re-packed at every call).
+    ~140 packed (the weight panels are laid out once instead of being re-packed at every call). A
+    weight changed in place since it was packed (its version counter moved) is packed again.
     """
     packed = getattr(layer, "mkl_packed", None)
     if packed is None:
         return layer(x)
+    version = _version(layer.weight)
+    if version != getattr(layer, "mkl_packed_version", None):
+        packed = layer.mkl_packed = _pack(layer.weight)
+        layer.mkl_packed_version = version
     return torch.ops.mkl._mkl_linear(x, packed, layer.weight, layer.bias, x.numel() // x.shape[-1])
 
 
@@ -578,6 +587,7 @@ class LlamaModel(nn.Module):
         )
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self._packed_embed: torch.Tensor | None = None  # tied LM head in MKL's packed layout
+        self._packed_embed_version: int | None = None
 
     def bind_kv_cache(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
@@ -597,8 +607,13 @@ class LlamaModel(nn.Module):
         h = self.norm(hidden)
         if self.lm_head is not None:
             return linear(h, self.lm_head).float()
-        packed = self._packed_embed
-        if packed is not None:
+        if self._packed_embed is not None:
+            if _version(self.embed.weight) != self._packed_embed_version:
+                self._packed_embed, self._packed_embed_version = (
+                    _pack(self.embed.weight),
+                    _version(self.embed.weight),
+                )
+            packed = self._packed_embed
             return torch.ops.mkl._mkl_linear(h, packed, self.embed.weight, None, h.shape[0]).float()
         return F.linear(h, self.embed.weight).float()
 
@@ -606,13 +621,18 @@ class LlamaModel(nn.Module):
         """Pre-pack every matmul weight (and the tied LM head) in MKL's GEMM layout; see :func:`linear`.
 
         Returns False, changing nothing, where that is not available (not a float32 CPU model, a
-        torch without MKL). The packed copies add the matmul weights' size again in memory.
+        torch without MKL). The packed copies add the matmul weights' size again in memory. Weights
+        changed in place later are re-packed on their next use where torch tracks their version;
+        inference-mode tensors do not track it, so whoever overwrites those calls this again.
         """
         if not _can_pack(self.embed.weight):
             return False
         for m in self.modules():
             if isinstance(m, nn.Linear):
-                m.mkl_packed = _pack(m.weight)
+                m.mkl_packed, m.mkl_packed_version = _pack(m.weight), _version(m.weight)
         if self.lm_head is None:
-            self._packed_embed = _pack(self.embed.weight)
+            self._packed_embed, self._packed_embed_version = (
+                _pack(self.embed.weight),
+                _version(self.embed.weight),
+            )
         return True
