@@ -73,6 +73,9 @@ class OfflinePlan:
     batches: list[list[int]] = field(default_factory=list)  # planned batches (dual scan), for reports
     stats: dict = field(default_factory=dict)  # densities, sharing, estimation error, ...
     admission: object | None = None
+    rank_fn: Callable[[int], list[list[int]]] | None = (
+        None  # a planner's own split (e.g. re-planned per rank)
+    )
 
     def __post_init__(self) -> None:
         n = len(self.order)
@@ -104,6 +107,8 @@ class OfflinePlan:
             raise ValueError(f"n: must be a positive integer, got {n!r}")
         if n == 1:
             return [list(self.order)]
+        if self.rank_fn is not None:
+            return self.rank_fn(n)
         w = self.weights
         share = sum(w) / n
         pieces: list[list[int]] = []

@@ -1,0 +1,53 @@
+"""``sglang-lpm``: SGLang's cache-aware scheduling as it really behaves on an offline job.
+
+SGLang's default policy (``--schedule-policy lpm``) sorts the waiting queue by the longest prefix each request
+matches in the radix cache, but falls back to FCFS while more than 128 requests wait (the match is too costly to
+recompute over a long queue). An offline job puts every request in the queue at once, so the job runs in input
+order until only 128 remain. The plan's order is the input order; ``LPMAdmission`` reorders the waiting queue
+before every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvbalance.kvcache.prefix import request_block_hashes
+from kvbalance.offline.plan import PLANNERS, OfflinePlan, PlanContext
+from kvbalance.offline.planners._common import weights
+from kvbalance.request import Request
+
+LPM_FCFS_FALLBACK = 128  # SGLang: more waiting requests than this -> FCFS
+
+
+class LPMAdmission:
+    """Before each step: with at most ``fallback`` requests waiting, order them by longest cached prefix."""
+
+    def __init__(self, fallback: int = LPM_FCFS_FALLBACK) -> None:
+        self.fallback = fallback
+
+    def before_step(self, instance, now: float) -> None:
+        # the waiting queue and the radix cache are the scheduler's; LPM needs both, as SGLang's policy does
+        sched, cache = instance.scheduler, instance.cache
+        waiting = sched.waiting
+        if cache is None or len(waiting) < 2 or len(waiting) > self.fallback:
+            return
+        bs = sched.block_size
+
+        def matched(req: Request) -> int:
+            return cache.match_prefix(request_block_hashes(req, bs, req.num_tokens - 1))[1]
+
+        ranked = sorted(waiting, key=lambda r: -matched(r))  # stable: FCFS among equal matches
+        waiting.clear()
+        waiting.extend(ranked)
+
+
+@PLANNERS.register("sglang-lpm")
+class SGLangLPMPlanner:
+    name = "sglang-lpm"
+    mode = "sequential"
+
+    def plan(self, requests: Sequence[Request], ctx: PlanContext) -> OfflinePlan:
+        order = list(range(len(requests)))
+        return OfflinePlan(
+            self.name, order, mode=self.mode, weights=weights(requests), admission=LPMAdmission()
+        )

@@ -1,0 +1,177 @@
+"""Run an offline plan on the simulator: every request at time 0, fed in plan order to one ``Instance`` over the
+cost model (sequential or overlap step times), FCFS admission following the plan.
+
+Throughput = (input + output tokens) / makespan; sharing ratio = prompt tokens served from the prefix cache at a
+request's first admission / all prompt tokens; optimal fraction = T_opt / makespan with T_opt the practical
+optimum max((1 - s_opt) T_comp, T_mem) (``density.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbalance.engine import Instance
+from kvbalance.executor.sim import SimExecutor
+from kvbalance.offline.plan import OfflinePlan, PlanContext
+from kvbalance.offline.planners._common import constants, job_stats, kv_tokens
+from kvbalance.offline.tree import PrefixTree
+from kvbalance.perf.cost import CostModel
+from kvbalance.perf.overlap import DEFAULT_INTERFERENCE_FACTOR, step_model
+from kvbalance.request import Request, RequestState, SamplingParams
+from kvbalance.scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class OfflineEngineConfig:
+    """The engine every planner runs on (the same for all: baselines at their best)."""
+
+    max_num_seqs: int = 1024
+    interference_factor: float = DEFAULT_INTERFERENCE_FACTOR
+    record_steps: bool = False  # keep per-step compute / memory utilisation (for plots)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass
+class OfflineRunResult:
+    planner: str
+    mode: str
+    makespan_s: float
+    input_tokens: int
+    output_tokens: int
+    sharing_ratio: float
+    optimal_makespan_s: float
+    num_steps: int
+    num_preemptions: int
+    rejected: list[str] = field(default_factory=list)
+    compute_util: np.ndarray | None = None  # per step: FLOPs / (duration x peak)
+    memory_util: np.ndarray | None = None  # per step: bytes / (duration x bandwidth)
+    step_end_s: np.ndarray | None = None
+
+    @property
+    def throughput_tokens_per_s(self) -> float:
+        return (self.input_tokens + self.output_tokens) / self.makespan_s if self.makespan_s > 0 else 0.0
+
+    @property
+    def optimal_fraction(self) -> float:
+        return self.optimal_makespan_s / self.makespan_s if self.makespan_s > 0 else 0.0
+
+    def row(self) -> dict:
+        return {
+            "planner": self.planner,
+            "mode": self.mode,
+            "throughput_tokens_per_s": self.throughput_tokens_per_s,
+            "makespan_s": self.makespan_s,
+            "sharing_ratio": self.sharing_ratio,
+            "optimal_fraction": self.optimal_fraction,
+            "optimal_makespan_s": self.optimal_makespan_s,
+            "num_steps": self.num_steps,
+            "num_preemptions": self.num_preemptions,
+            "num_rejected": len(self.rejected),
+        }
+
+
+def clone_request(r: Request) -> Request:
+    """A fresh copy (same id, prompt and sampling) for another run of the same job."""
+    sp = r.sampling
+    c = Request(
+        r.request_id,
+        r.prompt_token_ids,
+        SamplingParams(
+            max_tokens=sp.max_tokens, ignore_eos=sp.ignore_eos, stop_token_ids=list(sp.stop_token_ids)
+        ),
+        eos_token_id=r.eos_token_id,
+    )
+    c.meta = dict(r.meta)
+    return c
+
+
+def build_offline_instance(ctx: PlanContext, mode: str, engine: OfflineEngineConfig) -> Instance:
+    cm = CostModel(ctx.model, ctx.gpu, ctx.tp)
+    executor = SimExecutor(cm, step_model=step_model(cm, mode, engine.interference_factor))
+    sched = SchedulerConfig(max_num_batched_tokens=ctx.chunk_tokens, max_num_seqs=engine.max_num_seqs)
+    return Instance(
+        executor,
+        num_blocks=kv_tokens(ctx) // ctx.block_size,
+        block_size=ctx.block_size,
+        scheduler_config=sched,
+        max_context=cm.model.max_context,
+    )
+
+
+def simulate_plan(
+    requests: Sequence[Request],
+    plan: OfflinePlan,
+    ctx: PlanContext,
+    engine: OfflineEngineConfig | None = None,
+    *,
+    optimal_makespan_s: float | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> OfflineRunResult:
+    """Simulate ``plan`` over fresh copies of ``requests``; ``on_step(num_finished)`` reports progress."""
+    engine = engine or OfflineEngineConfig()
+    inst = build_offline_instance(ctx, plan.mode, engine)
+    if optimal_makespan_s is None:
+        tree = PrefixTree.from_requests(requests, ctx.block_size)
+        optimal_makespan_s = job_stats(requests, tree, constants(ctx))["optimal_makespan_s"]
+    reqs = [clone_request(requests[i]) for i in plan.order]
+    rejected = [r.request_id for r in reqs if not inst.add_request(r, 0.0)]
+    admission = plan.admission
+    seen: set[str] = set()
+    hits = 0
+    now = 0.0
+    finished = 0
+    peak = inst.executor.cost_model.gpu.peak_flops
+    bw = inst.executor.cost_model.gpu.mem_bandwidth_bytes_s
+    cu: list[float] = []
+    mu: list[float] = []
+    ends: list[float] = []
+    while inst.has_work():
+        if admission is not None:
+            admission.before_step(inst, now)
+        out = inst.step(now)
+        if out is None:
+            raise RuntimeError(f"{plan.planner}: the engine has work but planned an empty step")
+        for s in out.plan.seqs:
+            req = s.request
+            if req.request_id not in seen:
+                seen.add(req.request_id)
+                hits += min(s.start, req.num_prompt_tokens)
+        dur = out.result.duration_s
+        now += dur
+        done = inst.complete(out, now)
+        if engine.record_steps and dur > 0:
+            b = out.result.breakdown
+            cu.append(b.flops / (dur * peak))
+            mu.append(b.bytes / (dur * bw))
+            ends.append(now)
+        if done and on_step is not None:
+            finished += len(done)
+            on_step(finished)
+    unfinished = [
+        r.request_id for r in reqs if r.state is not RequestState.FINISHED and r.request_id not in rejected
+    ]
+    if unfinished:
+        raise RuntimeError(f"{plan.planner}: {len(unfinished)} requests neither finished nor rejected")
+    served = [r for r in reqs if r.state is RequestState.FINISHED]
+    prompt = sum(r.num_prompt_tokens for r in served)
+    return OfflineRunResult(
+        planner=plan.planner,
+        mode=plan.mode,
+        makespan_s=now,
+        input_tokens=prompt,
+        output_tokens=sum(r.num_output_tokens for r in served),
+        sharing_ratio=hits / prompt if prompt else 0.0,
+        optimal_makespan_s=optimal_makespan_s,
+        num_steps=inst.num_steps,
+        num_preemptions=inst.scheduler.num_preemptions,
+        rejected=rejected,
+        compute_util=np.asarray(cu) if engine.record_steps else None,
+        memory_util=np.asarray(mu) if engine.record_steps else None,
+        step_end_s=np.asarray(ends) if engine.record_steps else None,
+    )
