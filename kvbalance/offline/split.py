@@ -111,8 +111,8 @@ def sort_and_split(
     max_rounds: int = 16,
 ) -> SplitStats:
     """Sort children by density and cut nodes until DFS leaf densities are non-increasing (or no cut fits)."""
-    if not 0 < keep_sharing <= 1:
-        raise ValueError(f"keep_sharing: must be in (0, 1], got {keep_sharing}")
+    if not 0 <= keep_sharing <= 1:
+        raise ValueError(f"keep_sharing: must be in [0, 1], got {keep_sharing}")
     bs = tree.block_size
     tree.annotate(output_lens, k)
     shared = tree.root.prompt_tokens - tree.root.computed_tokens
