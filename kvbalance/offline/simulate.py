@@ -175,3 +175,40 @@ def simulate_plan(
         memory_util=np.asarray(mu) if engine.record_steps else None,
         step_end_s=np.asarray(ends) if engine.record_steps else None,
     )
+
+
+def simulate_ranks(
+    requests: Sequence[Request],
+    plan: OfflinePlan,
+    ctx: PlanContext,
+    engine: OfflineEngineConfig | None,
+    n: int,
+) -> dict:
+    """Data parallelism: ``plan.ranks(n)`` on ``n`` replicas, each its own instance from time 0. Makespan is
+    the slowest replica's; the optimum is the job's T_opt / n; throughput counts every replica's tokens."""
+    tree = PrefixTree.from_requests(requests, ctx.block_size)
+    t_opt = job_stats(requests, tree, constants(ctx))["optimal_makespan_s"]
+    results = []
+    for rank in plan.ranks(n):
+        if not rank:
+            continue
+        sub = [requests[i] for i in rank]
+        sub_plan = OfflinePlan(plan.planner, list(range(len(sub))), mode=plan.mode, admission=plan.admission)
+        results.append(simulate_plan(sub, sub_plan, ctx, engine, optimal_makespan_s=t_opt / n))
+    makespan = max(r.makespan_s for r in results)
+    tokens = sum(r.input_tokens + r.output_tokens for r in results)
+    prompt = sum(r.input_tokens for r in results)
+    return {
+        "planner": plan.planner,
+        "mode": plan.mode,
+        "data_parallel": n,
+        "throughput_tokens_per_s": tokens / makespan,
+        "makespan_s": makespan,
+        "rank_makespans_s": [r.makespan_s for r in results],
+        "sharing_ratio": sum(r.sharing_ratio * r.input_tokens for r in results) / prompt,
+        "optimal_fraction": (t_opt / n) / makespan,
+        "optimal_makespan_s": t_opt / n,
+        "num_steps": sum(r.num_steps for r in results),
+        "num_preemptions": sum(r.num_preemptions for r in results),
+        "num_rejected": sum(len(r.rejected) for r in results),
+    }
