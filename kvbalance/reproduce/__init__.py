@@ -9,4 +9,5 @@ from __future__ import annotations
 EXPERIMENTS = {
     "queueing": "queueing-theory stability: mu from theory vs the simulator's saturation throughput",
     "elastic": "elastic KV reserve: chunk sizes vs elastic lending vs static overcommit",
+    "blendserve": "offline batch inference: blendserve vs DFS-ordered vLLM/SGLang/NanoFlow, LPM, balance",
 }
