@@ -16,6 +16,7 @@ import numpy as np
 
 class RequestState(enum.Enum):
     WAITING = "waiting"  # queued, never scheduled or preempted and queued again
+    WAITING_FOR_KV = "waiting_for_kv"  # holds KV blocks whose contents still arrive from outside (connector)
     RUNNING = "running"  # holds KV blocks and is being computed
     FINISHED = "finished"  # produced its output (length or stop)
     REJECTED = "rejected"  # can never be served (reason in ``reject_reason``)
@@ -77,7 +78,6 @@ class Request:
         "eos_token_id",
         "prefix_hit_tokens",
         "meta",
-        "_block_hashes",
         "_num_prompt",
     )
 
@@ -119,7 +119,6 @@ class Request:
         self.num_preemptions = 0
         self.eos_token_id = eos_token_id
         self.meta: dict = {}
-        self._block_hashes: list[int] | None = None
 
     # -- sizes -----------------------------------------------------------------
     @property

@@ -91,7 +91,12 @@ class ModelSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one token over all layers: 2 * layers * kv_heads * head_dim * dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.kv_bytes_per_gpu(1)
+
+    def kv_bytes_per_gpu(self, tp: int = 1) -> int:
+        """Bytes of K and V for one token on each of ``tp`` GPUs (the project's one KV-size formula):
+        2 * layers * ceil(kv_heads / tp) * head_dim * dtype (KV heads fewer than tp are replicated)."""
+        return 2 * self.num_layers * -(-self.num_kv_heads // tp) * self.head_dim * self.dtype_bytes
 
     @property
     def layer_params(self) -> int:

@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 
-from kvbalance.executor.base import BatchPlan, StepResult
+from kvbalance.batch import BatchPlan, StepResult
 from kvbalance.request import Request, SamplingParams
 
 
@@ -31,8 +31,9 @@ class EchoExecutor:
 
 
 def make_request(rid: str, prompt, max_tokens: int = 8, arrival_s: float = 0.0) -> Request:
-    if isinstance(prompt, int):
-        prompt = list(range(10_000 * (hash(rid) % 1000), 10_000 * (hash(rid) % 1000) + prompt))
+    if isinstance(prompt, int):  # distinct per id, the same in every process (no PYTHONHASHSEED dependence)
+        base = 10_000 * (zlib.crc32(rid.encode()) % 1000)
+        prompt = list(range(base, base + prompt))
     return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s)
 
 

@@ -305,3 +305,21 @@ def test_reproduce_scenario_static_fails_elastic_lends_and_keeps_ttft():
     assert el["lends"] >= 1 and el["kv_capacity_lent_tokens"] > 1.15 * el["kv_capacity_tokens"]
     share = experiment.reserve_share("qwen2.5-7b", 4, 32768)["reserve_share_of_kv"]
     assert share < experiment.reserve_share("qwen2.5-7b", 1, 32768)["reserve_share_of_kv"]
+
+
+@pytest.mark.parametrize("budget", [8, 16])
+def test_one_token_last_prompt_chunk_is_prefill_work(budget):
+    # prompt = 2 x budget + 1: the last chunk is one prompt token, which is prefill, not a decode
+    inst, _ = elastic_instance(base_blocks=64, reserve_blocks=8, budget=budget)
+    req = make_request("k", 2 * budget + 1, max_tokens=6)
+    inst.add_request(req, 0.0)
+    now = 0.0
+    for _ in range(2):  # two full chunks
+        out = inst.step(now)
+        now += out.result.duration_s
+        inst.complete(out, now)
+    assert req.num_computed_tokens == 2 * budget
+    assert inst.scheduler.has_prefill_work()
+    run_steps(inst, now)  # raised "a prefill was planned while the reserve is lent" before the fix
+    assert req.state is RequestState.FINISHED and req.num_output_tokens == 6
+    assert inst.elastic.num_lends >= 1

@@ -5,16 +5,15 @@ import json
 import numpy as np
 import pytest
 
-from kvbalance.executor.base import BatchPlan, ScheduledSeq
+from kvbalance.batch import BatchPlan, ScheduledSeq
 from kvbalance.perf.calibrate import cpu_base_spec, fit_hardware, predict_samples
 from kvbalance.perf.cost import (
     CostModel,
-    activation_reserve_bytes,
     breakdown_total_s,
-    kv_capacity_tokens,
     step_cost_report,
     transfer_time,
 )
+from kvbalance.perf.memory import engine_activation_reserve_bytes, kv_capacity_tokens
 from kvbalance.request import Request
 from kvbalance.specs import get_gpu, get_link, get_model
 
@@ -167,7 +166,7 @@ def test_kv_capacity_closed_form():
     default = kv_capacity_tokens(m, g)
     assert 100_000 < default < 130_000  # vLLM reports ~7k blocks of 16 tokens here
     assert kv_capacity_tokens(m, g, tp=2) > 2 * default
-    assert activation_reserve_bytes(m) > 0
+    assert engine_activation_reserve_bytes(m) > 0
 
 
 def test_kv_capacity_errors_when_weights_do_not_fit():

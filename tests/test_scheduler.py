@@ -110,11 +110,36 @@ def test_full_prompt_hit_still_computes_last_token():
     assert first_b.start == 12 and first_b.num_new_tokens == 4 and first_b.sample
 
 
-def test_concurrent_identical_prefixes_share_blocks_after_compute():
+def test_concurrent_identical_prefixes_are_cached_once_and_tables_stay_append_only():
+    # three requests compute the same 64-token prefix in one step: the cache keeps one copy of each
+    # block, and no request's block table ever changes a block id it already had (an in-flight KV save
+    # could be reading it)
     reqs = [make_request(f"r{i}", list(range(64)) + [i], max_tokens=4) for i in range(3)]
-    inst, ex, run = _run(reqs, budget=256, num_blocks=128)
+    seen: dict[str, list[int]] = {}
+
+    class Recording(EchoExecutor):
+        def execute(self, plan):
+            for s in plan.seqs:
+                table = list(s.request.block_ids)
+                before = seen.get(s.request.request_id, [])
+                assert table[: len(before)] == before, "a block id changed in a block table"
+                seen[s.request.request_id] = table
+            return super().execute(plan)
+
+    inst = Instance(
+        Recording(),
+        num_blocks=128,
+        block_size=4,
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=256),
+    )
+    run = simulate_instance(inst, reqs, check_invariants=True)
     assert not run.unfinished
-    assert inst.cache.num_cached_blocks >= 16
+    assert inst.cache.num_cached_blocks == 16 + 3  # the shared prefix once, plus each request's own tail
+    assert inst.pool.num_used == inst.cache.num_cached_blocks  # the duplicates went with their requests
+    # a later request with the same prefix hits all of it
+    late = make_request("late", list(range(64)) + [9], max_tokens=2)
+    simulate_instance(inst, [late], check_invariants=True)
+    assert late.prefix_hit_tokens == 64
 
 
 def test_impossible_request_is_rejected_with_reason():
@@ -130,3 +155,47 @@ def test_bad_config_names_field():
         SchedulerConfig(policy="fifo")
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
+
+
+# -- admission and rejection agree (issue 7) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["sarathi", "vllm"])
+def test_request_that_fits_the_pool_but_not_the_watermark_is_still_served(policy):
+    # 100 blocks of 16 tokens, 1% watermark = 1 block: a 1590 + 4 token request needs all 100 blocks
+    reqs = [make_request(f"w{i}", 1590, max_tokens=4, arrival_s=float(i)) for i in range(3)]
+    inst = Instance(
+        EchoExecutor(),
+        num_blocks=100,
+        block_size=16,
+        scheduler_config=SchedulerConfig(policy=policy, max_num_batched_tokens=2048),
+    )
+    run = simulate_instance(inst, reqs, check_invariants=True)
+    assert not run.unfinished
+    assert all(r.state is RequestState.FINISHED and r.num_output_tokens == 4 for r in reqs)
+
+
+def test_watermark_keeps_blocks_free_while_others_run():
+    # 20 blocks of 4 tokens, watermark 10% = 2 blocks. "a" holds 10 blocks; "b" needs 9 for its prompt:
+    # 9 + 2 > 10 free, so "b" waits until "a" finishes (without a watermark it would be admitted at once).
+    cfg = SchedulerConfig(max_num_batched_tokens=64, watermark=0.1)
+    inst = Instance(EchoExecutor(), num_blocks=20, block_size=4, scheduler_config=cfg)
+    a, b = make_request("a", 40, max_tokens=3), make_request("b", 36, max_tokens=3, arrival_s=0.001)
+    run = simulate_instance(inst, [a, b], check_invariants=True)
+    assert not run.unfinished
+    assert b.first_scheduled_s >= a.finish_s
+    assert inst.scheduler.num_preemptions == 0
+
+
+def test_request_exactly_at_capacity_is_served_and_one_token_more_is_rejected():
+    # 8 blocks of 4 tokens = 32 KV tokens; a request's KV peaks at prompt + max_tokens - 1 tokens
+    def run(prompt, out):
+        inst = Instance(EchoExecutor(), num_blocks=8, block_size=4)
+        req = make_request("edge", prompt, max_tokens=out)
+        return simulate_instance(inst, [req], check_invariants=True), req
+
+    run_ok, ok = run(29, 4)  # 32 tokens of KV: fits exactly
+    assert ok.state is RequestState.FINISHED and ok.num_output_tokens == 4
+    run_no, no = run(30, 4)  # 33 tokens: can never fit
+    assert no.state is RequestState.REJECTED and "kv_capacity" in no.reject_reason
+    assert not run_no.unfinished and run_ok.num_steps > 0

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvbalance.executor.base import BatchPlan, KVTransfer, ScheduledSeq
+from kvbalance.batch import BatchPlan, KVTransfer, ScheduledSeq
 from kvbalance.executor.sim import STANDIN_BASE, SimExecutor, is_standin_token, standin_token
 from kvbalance.perf.cost import CostModel, breakdown_total_s
 from kvbalance.request import Request

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from kvbalance.executor.base import BatchPlan, KVTransfer, ScheduledSeq
+from kvbalance.batch import BatchPlan, KVTransfer, ScheduledSeq
 from kvbalance.executor.torch import TorchExecutor
 from kvbalance.model import llama
 from kvbalance.model.llama import LlamaConfig, build_step_metadata, rope_inv_freq
@@ -115,15 +115,17 @@ def step(ex: TorchExecutor, reqs: list[Request], blocks: Blocks, chunk: int | No
     assert result.duration_s > 0 and result.breakdown.compute_s > 0
 
 
-_HF_CACHE: dict = {}
-
-
 def hf_reference(hf, prompt: list[int], num_out: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens from ``generate`` and the logits that chose each of them (memoised per model)."""
-    key = (id(hf), tuple(prompt), num_out)
-    if key not in _HF_CACHE:
-        _HF_CACHE[key] = _hf_reference(hf, prompt, num_out)
-    return _HF_CACHE[key]
+    """Greedy tokens from ``generate`` and the logits that chose each of them (memoised per model).
+
+    The memo lives on the model object itself: a dict keyed on ``id(hf)`` would hand a freed model's
+    results to a new model that happens to get the same address.
+    """
+    cache = hf.__dict__.setdefault("_kvbalance_reference_cache", {})
+    key = (tuple(prompt), num_out)
+    if key not in cache:
+        cache[key] = _hf_reference(hf, prompt, num_out)
+    return cache[key]
 
 
 def _hf_reference(hf, prompt: list[int], num_out: int) -> tuple[list[int], torch.Tensor]:

@@ -258,9 +258,22 @@ def test_malformed_mooncake_line_names_file_line_and_field(tmp_path):
     path.write_text(json.dumps(good) + "\n\n{oops\n")
     with pytest.raises(ValueError, match=rf"^{path}:3: not valid JSON"):
         load_mooncake(path)
-    path.write_text(json.dumps({k: v for k, v in good.items() if k != "hash_ids"}) + "\n")
+    path.write_text(json.dumps({**good, "hash_ids": "zero"}) + "\n")
     with pytest.raises(ValueError, match=rf"^{path}:1: hash_ids"):
         load_mooncake(path)
+
+
+def test_mooncake_line_without_hash_ids_shares_nothing(tmp_path):
+    path = tmp_path / "nohash.jsonl"
+    rows = [{"timestamp": 1000 * i, "input_length": 600, "output_length": 3} for i in range(2)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    records = load_mooncake(path)
+    assert [r.hash_ids for r in records] == [None, None]
+    assert [r.arrival_s for r in records] == [0.0, 1.0]
+    reqs = build_requests(f"mooncake:{path}", None, 1.0, 0, 4096)
+    assert len(reqs) == 2
+    a, b = (list(r.prompt_token_ids[:600]) for r in reqs)
+    assert not set(a) & set(b)  # no shared tokens, so no prefix hit
 
 
 def test_malformed_csv_line_names_file_line_and_field(tmp_path):

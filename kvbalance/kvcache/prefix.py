@@ -114,11 +114,12 @@ def prefix_block_hashes(
     return hashes.tolist()
 
 
-def request_block_hashes(request, block_size: int, num_tokens: int) -> list[int]:
-    """The request's chained block hashes over its first ``num_tokens`` tokens (cached on the request)."""
-    cached = request._block_hashes
-    if cached is None:
-        cached = request._block_hashes = []
+def request_block_hashes(request, block_size: int, num_tokens: int, cached: list[int]) -> list[int]:
+    """The request's chained block hashes over its first ``num_tokens`` tokens.
+
+    ``cached`` holds the hashes computed so far for this request (its owner, the KV cache manager, keeps
+    one list per request); only blocks past them are hashed, and they are appended to it.
+    """
     want = num_tokens // block_size
     have = len(cached)
     if want > have:
@@ -489,9 +490,11 @@ class RadixCache:
                 if b in seen:
                     raise AssertionError(f"block {b} cached twice")
                 seen.add(b)
-                if self.pool.ref_count(b) != 1 + node.lock_ref:
+                # the cache's own reference plus one per locker that uses this copy (a locker that
+                # computed the block concurrently keeps its own copy: block tables are append-only)
+                if not 1 <= self.pool.ref_count(b) <= 1 + node.lock_ref:
                     raise AssertionError(
-                        f"{node}: block {b} ref count {self.pool.ref_count(b)} != 1 + lock_ref"
+                        f"{node}: block {b} ref count {self.pool.ref_count(b)} not in [1, 1 + lock_ref]"
                     )
         if (evictable, protected) != (self.evictable_blocks, self.protected_blocks):
             raise AssertionError(

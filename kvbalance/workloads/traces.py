@@ -126,14 +126,16 @@ def _get(line: _Line, obj: dict, name: str) -> Any:
 
 
 def load_mooncake(path: str | Path) -> list[TraceRecord]:
-    """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, ``hash_ids`` (512-token blocks)."""
+    """Mooncake JSONL: ``timestamp`` (ms), ``input_length``, ``output_length``, optional ``hash_ids``
+    (512-token block identities; a line without them shares no prefix)."""
     path = Path(path)
     out = []
     for line, obj in _jsonl_objects(path):
         arrival = line.seconds_field("timestamp", _get(line, obj, "timestamp"), 1e-3)
         inp = line.int_field("input_length", _get(line, obj, "input_length"), 1)
         outp = line.int_field("output_length", _get(line, obj, "output_length"), 0)
-        hashes = line.hash_ids_field("hash_ids", _get(line, obj, "hash_ids"))
+        raw_hashes = obj.get("hash_ids")
+        hashes = None if raw_hashes is None else line.hash_ids_field("hash_ids", raw_hashes)
         out.append(TraceRecord(arrival, inp, outp, hashes))
     return out
 

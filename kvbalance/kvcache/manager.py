@@ -1,0 +1,199 @@
+"""KVCacheManager: the one owner of an instance's KV memory — block pool, radix prefix cache, block tables.
+
+The scheduler speaks tokens; this class turns them into blocks (vLLM v1's ``KVCacheManager``):
+
+* :meth:`get_computed_blocks` — the longest cached prefix of a waiting request (a :class:`PrefixHit`);
+* :meth:`can_allocate` / :meth:`allocate_slots` — blocks for ``n`` more tokens (computed here, or arriving
+  from outside through the KV connector), taking the prefix hit's blocks on admission and evicting
+  unreferenced cached blocks when the free list is short;
+* :meth:`cache_full_blocks` — publish a request's newly full blocks in the prefix cache;
+* :meth:`free` — drop a request's blocks (finish, abort, preemption); :meth:`forget` its hashes.
+
+Each request's block table (``request.block_ids``) is append-only once written: when another request
+computed the same block first, the cache keeps that block and this request keeps its own copy (freed
+with the request), so no block id ever changes under an in-flight KV save. A request's locked path in
+the prefix cache covers the blocks it has cached, and its block hashes are kept here, not on the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbalance.kvcache.blocks import BlockPool
+from kvbalance.kvcache.prefix import RadixCache, RadixNode, request_block_hashes
+from kvbalance.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """A waiting request's longest cached prefix: the deepest cache node and its length in blocks."""
+
+    node: RadixNode | None
+    num_blocks: int
+    num_unlocked_blocks: int  # of those, blocks no one holds yet (they stop being evictable once taken)
+
+
+NO_HIT = PrefixHit(None, 0, 0)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.cache: RadixCache | None = RadixCache(pool) if enable_prefix_caching else None
+        # request id -> (deepest locked cache node, blocks of the request covered by that path)
+        self._paths: dict[str, tuple[RadixNode, int]] = {}
+        self._hashes: dict[str, list[int]] = {}  # request id -> its chained block hashes so far
+
+    # -- sizes ----------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Free blocks plus cached blocks no request holds (evictable on demand)."""
+        return self.pool.num_free + (self.cache.evictable_blocks if self.cache is not None else 0)
+
+    @property
+    def kv_used_tokens(self) -> int:
+        """Tokens of KV held by requests (blocks in use minus cached-but-idle ones, in tokens)."""
+        idle = self.cache.evictable_blocks if self.cache is not None else 0
+        return (self.pool.num_used - idle) * self.block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.capacity_tokens
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return self.pool.blocks_for_tokens(num_tokens)
+
+    def block_hashes(self, req: Request, num_tokens: int) -> list[int]:
+        """The request's chained hashes of its full blocks among its first ``num_tokens`` tokens."""
+        cached = self._hashes.get(req.request_id)
+        if cached is None:
+            cached = self._hashes[req.request_id] = []
+        return request_block_hashes(req, self.block_size, num_tokens, cached)
+
+    # -- admission --------------------------------------------------------------------------------
+    def get_computed_blocks(self, req: Request) -> PrefixHit:
+        """The longest cached prefix of ``req`` (never its last token: that one is computed to sample)."""
+        if self.cache is None:
+            return NO_HIT
+        node, hit = self.cache.match_prefix(self.block_hashes(req, req.num_tokens - 1))
+        if not hit:
+            return NO_HIT
+        return PrefixHit(node, hit, self.cache.unlocked_blocks_on_path(node))
+
+    def num_blocks_to_admit(self, hit: PrefixHit, num_tokens: int) -> int:
+        """New blocks a request with ``hit`` needs to hold ``num_tokens`` tokens of KV."""
+        return self.pool.blocks_for_tokens(num_tokens) - hit.num_blocks
+
+    def can_admit(self, hit: PrefixHit, num_tokens: int, reserve_blocks: int = 0) -> bool:
+        """Whether admitting with ``hit`` to ``num_tokens`` tokens leaves ``reserve_blocks`` available."""
+        need = self.num_blocks_to_admit(hit, num_tokens)
+        return need + reserve_blocks <= self.num_available_blocks - hit.num_unlocked_blocks
+
+    def admit(self, req: Request, hit: PrefixHit, num_tokens: int) -> None:
+        """Give ``req`` the hit's blocks plus new ones up to ``num_tokens`` tokens (checked by can_admit)."""
+        if req.block_ids:
+            raise RuntimeError(f"{req}: admitted while it holds blocks")
+        hit_blocks: list[int] = []
+        if hit.num_blocks:
+            self.cache.lock(hit.node)
+            hit_blocks = self.cache.blocks_of(hit.node)
+            self.pool.incref(hit_blocks)
+            self._paths[req.request_id] = (hit.node, hit.num_blocks)
+        need = self.pool.blocks_for_tokens(num_tokens) - hit.num_blocks
+        if not self._ensure_free(need):  # cannot happen after can_admit
+            raise RuntimeError("block accounting: admission check passed but allocation failed")
+        req.block_ids = hit_blocks + self.pool.allocate(need)
+
+    # -- growth -----------------------------------------------------------------------------------
+    def _ensure_free(self, n: int) -> bool:
+        short = n - self.pool.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.pool.num_free >= n
+
+    def allocate_slots(self, req: Request, num_tokens: int) -> bool:
+        """Grow ``req``'s block table to hold ``num_tokens`` tokens; False (nothing changed) if they don't fit."""
+        need = self.pool.blocks_for_tokens(num_tokens) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if not self._ensure_free(need):
+            return False
+        req.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def max_tokens_fitting(self, req: Request) -> int:
+        """Most tokens ``req`` could hold now: its blocks plus every free block (cache already evicted)."""
+        return (len(req.block_ids) + self.pool.num_free) * self.block_size
+
+    # -- prefix cache -------------------------------------------------------------------------------
+    def cache_full_blocks(self, req: Request) -> None:
+        """Publish ``req``'s full computed blocks in the prefix cache (append-only: no block id changes)."""
+        cache = self.cache
+        if cache is None:
+            return
+        full = req.num_computed_tokens // self.block_size
+        node, have = self._paths.get(req.request_id) or (cache.root, 0)
+        if full <= have:
+            return
+        hashes = self.block_hashes(req, full * self.block_size)
+        node, _ = cache.extend(node, have, hashes, req.block_ids)
+        # where another request cached a block first, the cache keeps its copy and req keeps its own
+        self._paths[req.request_id] = (node, full)
+
+    def num_cached_blocks_of(self, req: Request) -> int:
+        path = self._paths.get(req.request_id)
+        return 0 if path is None else path[1]
+
+    # -- release ------------------------------------------------------------------------------------
+    def free(self, req: Request) -> None:
+        """Release ``req``'s blocks and its lock on the prefix cache (its cached blocks stay cached)."""
+        path = self._paths.pop(req.request_id, None)
+        if path is not None:
+            self.cache.unlock(path[0])
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+
+    def forget(self, req: Request) -> None:
+        """Drop what is kept about a request that will never be scheduled again (its block hashes)."""
+        self._hashes.pop(req.request_id, None)
+
+    # -- checks -------------------------------------------------------------------------------------
+    def check_invariants(self, holders: list[Request], held: dict[str, list[int]] | None = None) -> None:
+        """Exact accounting: every block's ref count equals its holders (block tables, blocks held for a
+        KV save, the prefix cache); each locked path holds the same blocks' hashes as its request."""
+        self.pool.check_invariants()
+        cache = self.cache
+        if cache is not None:
+            cache.check_invariants()
+        refs: dict[int, int] = {}
+        for req in holders:
+            if len(req.block_ids) < self.pool.blocks_for_tokens(req.num_computed_tokens):
+                raise AssertionError(f"{req}: fewer blocks than computed tokens need")
+            for b in req.block_ids:
+                refs[b] = refs.get(b, 0) + 1
+            path = self._paths.get(req.request_id)
+            if path is not None:
+                node, n = path
+                path_hashes = []
+                while node is not cache.root:
+                    path_hashes[:0] = node.hashes
+                    node = node.parent
+                if path_hashes != self._hashes[req.request_id][:n] or len(path_hashes) != n:
+                    raise AssertionError(f"{req}: locked cache path and block hashes disagree")
+        for blocks in (held or {}).values():
+            for b in blocks:
+                refs[b] = refs.get(b, 0) + 1
+        holder_ids = {r.request_id for r in holders}
+        for rid in self._paths:
+            if rid not in holder_ids:
+                raise AssertionError(f"request {rid}: holds a cache lock but no blocks")
+        cached = cache.all_block_ids() if cache is not None else set()
+        for b in range(self.pool.num_total_blocks):
+            expect = refs.get(b, 0) + (1 if b in cached else 0)
+            if self.pool.ref_count(b) != expect:
+                raise AssertionError(f"block {b}: ref count {self.pool.ref_count(b)} != holders {expect}")

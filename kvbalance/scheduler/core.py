@@ -1,0 +1,378 @@
+"""Continuous batching over the paged KV cache: token budget, chunked prefill, preemption by recompute.
+
+Each request advances ``num_computed_tokens`` toward ``num_tokens`` (prompt + output so far);
+prefill and decode are the same operation at different sizes, so chunked prefill, prefix-cache
+hits, KV loaded from outside and recompute after preemption share one code path (vLLM v1's view).
+Which requests advance each step is the policy's choice (``kvbalance/scheduler/policies/``: ``sarathi``
+stall-free batching by default, ``vllm`` prefill-first); this class provides the two primitives they
+use, :meth:`schedule_running` and :meth:`admit_waiting`.
+
+The scheduler speaks requests and tokens only: blocks belong to the :class:`KVCacheManager`, KV from or
+to outside to the :class:`~kvbalance.kvcache.connector.KVConnector` (scheduler half), and it emits a
+:class:`BatchPlan`; it never imports an executor. When a running request cannot grow, the newest running
+request is preempted (its blocks freed, its computed tokens reset; its full blocks stay in the prefix
+cache) and later resumes by recompute. For the elastic KV reserve (``kvcache/elastic.py``) it exposes
+``admission_open`` (closed while the prefill activation reserve is lent: only decodes run),
+``has_prefill_work`` and ``preempt``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvbalance.batch import BatchPlan, ScheduledSeq, StepResult
+from kvbalance.kvcache.blocks import BlockPool
+from kvbalance.kvcache.connector import KVConnector, NullConnector
+from kvbalance.kvcache.manager import KVCacheManager
+from kvbalance.request import Request, RequestState
+from kvbalance.scheduler.base import POLICIES
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching knobs. ``max_num_batched_tokens`` is the per-step token budget (Sarathi's chunk size)."""
+
+    policy: str = "sarathi"  # a name in POLICIES
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01  # share of blocks kept free at admission, so new requests do not preempt at once
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {', '.join(POLICIES.names())}, got {self.policy!r}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens: must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {self.max_num_seqs}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark: must be in [0, 1), got {self.watermark}")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager | BlockPool,
+        connector: KVConnector | None = None,
+    ) -> None:
+        self.config = config
+        if isinstance(kv, BlockPool):
+            kv = KVCacheManager(kv, config.enable_prefix_caching)
+        self.kv = kv
+        self.pool = kv.pool
+        self.cache = kv.cache
+        self.block_size = kv.block_size
+        self.policy = POLICIES.get(config.policy)()
+        self.connector: KVConnector = connector if connector is not None else NullConnector()
+        self._null_connector = isinstance(self.connector, NullConnector)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}  # WAITING_FOR_KV: blocks held, contents still arriving
+        self._load_target: dict[str, int] = {}  # request id -> computed tokens once its load lands
+        self._held: dict[str, list[int]] = {}  # request id -> blocks kept until a save / a load lands
+        self._held_for_load: dict[str, bool] = {}  # request id -> held for a load (True) or a save (False)
+        self._watermark_blocks = int(config.watermark * kv.pool.num_blocks)
+        self.admission_open = True  # False while the elastic reserve is lent: no new prefills
+        # counters
+        self.num_preemptions = 0
+        self.admitted_tokens = 0  # tokens that needed KV at admission (prompt, or prompt + output on resume)
+        self.prefix_hit_tokens = 0  # of those, tokens served by the prefix cache
+        self.external_hit_tokens = 0  # of those, tokens loaded from outside through the connector
+
+    # -- queue ------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.state = RequestState.WAITING
+        self.waiting.append(request)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_loading(self) -> int:
+        return len(self.loading)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.loading)
+
+    @property
+    def kv_used_tokens(self) -> int:
+        """Tokens of KV held by requests (blocks in use minus cached-but-idle ones, in tokens)."""
+        return self.kv.kv_used_tokens
+
+    # -- planning ---------------------------------------------------------------
+    def schedule(self, now: float) -> BatchPlan:
+        plan = BatchPlan(block_size=self.block_size)
+        self.policy.schedule(self, plan, now)
+        if not self._null_connector:
+            self.connector.build_connector_meta(plan)
+        return plan
+
+    def has_prefill_work(self) -> bool:
+        """Whether the next step could compute prompt tokens (a request waits or a running one is mid-prompt)."""
+        if self.waiting or self.loading:
+            return True
+        # a prompt token left (even one: the last chunk of a k x budget + 1 prompt) or a multi-token recompute
+        return any(
+            r.num_computed_tokens < r._num_prompt
+            or r._num_prompt + len(r.output_token_ids) - r.num_computed_tokens > 1
+            for r in self.running
+        )
+
+    def schedule_running(self, plan: BatchPlan, budget: int) -> int:
+        """Advance running requests (decodes first, then prefill chunks) within ``budget``; return what is left.
+
+        A request that cannot grow first shrinks its prefill chunk to the free blocks, else preempts the
+        newest running request not yet scheduled in this step (possibly itself)."""
+        kv = self.kv
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self.running:
+            (
+                decodes if r._num_prompt + len(r.output_token_ids) - r.num_computed_tokens == 1 else prefills
+            ).append(r)
+        scheduled: set[str] = set()
+        seqs = plan.seqs
+        preempted = False
+        bs = self.block_size
+        for req in decodes + prefills:
+            if budget <= 0:
+                break
+            if preempted and req.state is not RequestState.RUNNING:
+                continue  # preempted earlier in this step
+            computed = req.num_computed_tokens
+            total = req._num_prompt + len(req.output_token_ids)
+            n = min(total - computed, budget)
+            if computed + n > len(req.block_ids) * bs:  # needs new blocks
+                while not kv.allocate_slots(req, computed + n):
+                    if n > 1:  # a prefill chunk: shrink it to the blocks that are free
+                        fit = kv.max_tokens_fitting(req) - computed
+                        if fit >= 1:
+                            n = min(n, fit)
+                            if not kv.allocate_slots(req, computed + n):
+                                raise RuntimeError("block accounting: a chunk that fits failed to allocate")
+                            break
+                    victim = self._pick_victim(scheduled)
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        n = 0
+                        break
+                    n = min(total - computed, budget)
+                if n <= 0:
+                    continue
+            seqs.append(ScheduledSeq(req, computed, n, computed + n == total))
+            scheduled.add(req.request_id)
+            budget -= n
+        return budget
+
+    def _pick_victim(self, scheduled: set[str]) -> Request:
+        """The newest running request not yet scheduled in this step (or, failing that, the newest)."""
+        for req in reversed(self.running):
+            if req.request_id not in scheduled:
+                return req
+        return self.running[-1]
+
+    def admit_waiting(self, plan: BatchPlan, budget: int, now: float, *, whole_prompts: bool) -> None:
+        """Admit waiting requests in queue order (FCFS: the head waits until its first chunk fits)."""
+        kv = self.kv
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit = kv.get_computed_blocks(req)
+            cached = hit.num_blocks * self.block_size
+            external, load_async = 0, False
+            if not self._null_connector:
+                external, load_async = self._external_tokens(req, cached)
+            start = cached + external  # tokens whose KV is there (or arriving) once admitted
+            n = 0 if load_async else req.num_tokens - start
+            if whole_prompts:
+                if n > budget and plan.seqs:
+                    break
+            else:
+                n = min(n, budget)
+            # the watermark keeps headroom so running requests can grow; with nothing running there is no
+            # one to protect, and a request that fits the pool (the rejection rule) must be admissible
+            watermark = self._watermark_blocks if self.running else 0
+            if not kv.can_admit(hit, start + n, watermark):
+                break
+            self.waiting.popleft()
+            kv.admit(req, hit, start + n)
+            req.num_computed_tokens = cached
+            req.num_cached_tokens = cached
+            req.prefix_hit_tokens += cached
+            self.prefix_hit_tokens += cached
+            self.external_hit_tokens += external
+            self.admitted_tokens += req.num_tokens
+            if req.first_scheduled_s is None:
+                req.first_scheduled_s = now
+            if not self._null_connector:
+                self.connector.update_state_after_alloc(req, req.block_ids, external)
+            if load_async:
+                req.state = RequestState.WAITING_FOR_KV
+                self.loading[req.request_id] = req
+                self._load_target[req.request_id] = start
+                continue
+            req.num_computed_tokens = start  # a synchronous load lands before this step's compute
+            req.state = RequestState.RUNNING
+            self.running.append(req)
+            plan.seqs.append(ScheduledSeq(req, start, n, start + n == req.num_tokens))
+            budget -= n
+
+    def _external_tokens(self, req: Request, cached: int) -> tuple[int, bool]:
+        external, load_async = self.connector.get_num_new_matched_tokens(req, cached)
+        if not 0 <= external <= req.num_tokens - 1 - cached:
+            raise ValueError(
+                f"num_external_tokens: connector offered {external} tokens for {req.request_id}, "
+                f"must be in [0, {req.num_tokens - 1 - cached}] (the last token is always computed)"
+            )
+        return external, load_async and external > 0
+
+    # -- applying results ---------------------------------------------------------
+    def update(self, plan: BatchPlan, result: StepResult, now: float) -> list[Request]:
+        """Apply an executed plan at time ``now``; return the requests that finished."""
+        finished: list[Request] = []
+        kv = self.kv
+        caching = self.cache is not None
+        bs = self.block_size
+        sampled = result.sampled
+        running = RequestState.RUNNING
+        if result.finished_loads or result.finished_saves:
+            self._apply_transfers(result.finished_loads, result.finished_saves)
+        for s in plan.seqs:
+            req = s.request
+            if req.state is not running:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += s.num_new_tokens
+            reason = None
+            if s.sample:
+                token = sampled[req.request_id]
+                req.output_token_ids.append(token)
+                if req.first_token_s is None:
+                    req.first_token_s = now
+                req.token_times_s.append(now)
+                if req.sampling.logprobs is not None and req.request_id in result.logprobs:
+                    req.output_logprobs.append(result.logprobs[req.request_id])
+                reason = self._stop_reason(req, token)
+            if caching and req.num_computed_tokens // bs > kv.num_cached_blocks_of(req):
+                kv.cache_full_blocks(req)
+            if reason is not None:
+                self._release(req, finished=True)
+                req.state = RequestState.FINISHED
+                req.finish_reason = reason
+                req.finish_s = now
+                finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if r.state is running]
+        return finished
+
+    def _apply_transfers(self, finished_loads: list[str], finished_saves: list[str]) -> None:
+        """The worker half reported transfers done: loaded requests become runnable, held blocks go."""
+        self.connector.update_connector_output(finished_loads, finished_saves)
+        for rid in finished_loads:
+            req = self.loading.pop(rid, None)
+            target = self._load_target.pop(rid, None)
+            if req is not None:
+                req.num_computed_tokens = target
+                req.state = RequestState.RUNNING
+                self.running.append(req)
+                if self.cache is not None:
+                    self.kv.cache_full_blocks(req)
+            elif rid in self._held and self._held_for_load.get(rid):
+                self._free_held(rid)
+        for rid in finished_saves:
+            if rid in self._held and not self._held_for_load.get(rid):
+                self._free_held(rid)
+
+    def _free_held(self, rid: str) -> None:
+        self.pool.free(self._held.pop(rid))
+        self._held_for_load.pop(rid, None)
+
+    @staticmethod
+    def _stop_reason(req: Request, token: int) -> str | None:
+        sp = req.sampling
+        if (sp.stop_token_ids and token in sp.stop_token_ids) or (
+            not sp.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id
+        ):
+            return "stop"
+        if len(req.output_token_ids) >= sp.max_tokens:
+            return "length"
+        return None
+
+    # -- releasing --------------------------------------------------------------
+    def _hold(self, req: Request, for_load: bool) -> None:
+        """Keep ``req``'s blocks (a transfer still uses them) after it leaves; its cache lock goes."""
+        blocks = req.block_ids
+        req.block_ids = []
+        self.kv.free(req)  # unlocks the cache path; frees nothing (the table is empty now)
+        self._held[req.request_id] = blocks
+        self._held_for_load[req.request_id] = for_load
+
+    def _release(self, req: Request, *, finished: bool) -> None:
+        if finished:
+            self.kv.forget(req)
+            if not self._null_connector and self.connector.request_finished(req, req.block_ids):
+                self._hold(req, for_load=False)
+                return
+        self.kv.free(req)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req, finished=False)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.state = RequestState.WAITING
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def preempt(self, req: Request) -> None:
+        """Preempt a running request from outside (it frees its blocks and resumes later by recompute)."""
+        if req.state is not RequestState.RUNNING:
+            raise ValueError(f"req: {req.request_id} is {req.state.value}, not running")
+        self._preempt(req)
+
+    def finish_request(self, req: Request, reason: str, now: float, state=RequestState.FINISHED) -> None:
+        """End a request from outside (stop string matched, client abort)."""
+        if req.is_finished:
+            return
+        if req.state is RequestState.RUNNING:
+            self._release(req, finished=True)
+            self.running.remove(req)
+        elif req.state is RequestState.WAITING_FOR_KV:
+            # its load still writes into its blocks: keep them until the load is reported done
+            del self.loading[req.request_id]
+            self._load_target.pop(req.request_id, None)
+            self.kv.forget(req)
+            if not self._null_connector:
+                self.connector.request_finished(req, req.block_ids)
+            self._hold(req, for_load=True)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+            self.kv.forget(req)
+        req.state = state
+        req.finish_reason = reason
+        req.finish_s = now
+
+    def abort(self, req: Request, now: float) -> None:
+        self.finish_request(req, "abort", now, state=RequestState.ABORTED)
+
+    # -- checks -----------------------------------------------------------------
+    def check_invariants(self) -> None:
+        for req in self.running:
+            if req.state is not RequestState.RUNNING:
+                raise AssertionError(f"{req} in the running list")
+        for req in self.loading.values():
+            if req.state is not RequestState.WAITING_FOR_KV:
+                raise AssertionError(f"{req} in the loading list")
+        for req in self.waiting:
+            if req.block_ids:
+                raise AssertionError(f"{req}: waiting but holds blocks")
+        self.kv.check_invariants([*self.running, *self.loading.values()], self._held)
