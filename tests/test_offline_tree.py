@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvbalance.kvcache.prefix import prefix_block_hashes
-from kvbalance.offline.density import DensityConstants, comp_s, mem_s
+from kvbalance.offline.density import DensityConstants, comp_s, job_density_fn, mem_s
 from kvbalance.offline.estimate import choose_samples, estimate_output_lens
 from kvbalance.offline.planners._common import budget_lens
 from kvbalance.offline.split import sort_and_split
@@ -104,7 +104,10 @@ def test_sampling_is_deterministic_and_about_one_percent():
 def test_splitting_keeps_99_percent_of_sharing_on_the_presets(preset):
     pr = PRESETS[preset]
     cfg = tune_job(
-        OfflineJobConfig(num_requests=1500, video_output_mean_tokens=4096), K, pr.density, pr.sharing
+        OfflineJobConfig(num_requests=1500, video_output_mean_tokens=4096),
+        job_density_fn(K),
+        pr.density,
+        pr.sharing,
     )
     reqs = build_job(cfg)
     tree = PrefixTree.from_requests(reqs, 16)

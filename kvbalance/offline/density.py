@@ -100,3 +100,16 @@ def optimal_makespan_s(total_comp_s: float, total_mem_s: float, dfs_sharing: flo
     if not 0 <= dfs_sharing <= 1:
         raise ValueError(f"dfs_sharing: must be in [0, 1], got {dfs_sharing}")
     return max((1.0 - dfs_sharing) * total_comp_s, total_mem_s)
+
+
+def job_density_fn(k: DensityConstants):
+    """rho of a job from its lengths and sharing ratio: (1 - s) sum Comp / sum Mem (for the job tuner)."""
+
+    def density_of(prompt_lens, output_lens, sharing: float) -> float:
+        return group_density(
+            float(comp_s(prompt_lens, output_lens, k).sum()),
+            float(mem_s(prompt_lens, output_lens, k).sum()),
+            sharing,
+        )
+
+    return density_of

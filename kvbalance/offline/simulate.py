@@ -13,22 +13,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbalance.engine import Instance
+from kvbalance.engine import Instance, InstanceConfig, build_instance
 from kvbalance.executor.sim import SimExecutor
 from kvbalance.offline.plan import OfflinePlan, PlanContext
-from kvbalance.offline.planners._common import constants, job_stats, kv_tokens
+from kvbalance.offline.planners._common import MAX_NUM_SEQS, constants, job_stats, kv_tokens
 from kvbalance.offline.tree import PrefixTree
 from kvbalance.perf.cost import CostModel
 from kvbalance.perf.overlap import DEFAULT_INTERFERENCE_FACTOR, step_model
 from kvbalance.request import Request, RequestState, SamplingParams
-from kvbalance.scheduler import SchedulerConfig
 
 
 @dataclass(frozen=True)
 class OfflineEngineConfig:
     """The engine every planner runs on (the same for all: baselines at their best)."""
 
-    max_num_seqs: int = 1024
+    max_num_seqs: int = MAX_NUM_SEQS
     interference_factor: float = DEFAULT_INTERFERENCE_FACTOR
     record_steps: bool = False  # keep per-step compute / memory utilisation (for plots)
 
@@ -94,14 +93,15 @@ def clone_request(r: Request) -> Request:
 def build_offline_instance(ctx: PlanContext, mode: str, engine: OfflineEngineConfig) -> Instance:
     cm = CostModel(ctx.model, ctx.gpu, ctx.tp)
     executor = SimExecutor(cm, step_model=step_model(cm, mode, engine.interference_factor))
-    sched = SchedulerConfig(max_num_batched_tokens=ctx.chunk_tokens, max_num_seqs=engine.max_num_seqs)
-    return Instance(
-        executor,
-        num_blocks=kv_tokens(ctx) // ctx.block_size,
+    config = InstanceConfig(
+        kv_tokens=kv_tokens(ctx, engine.max_num_seqs),
         block_size=ctx.block_size,
-        scheduler_config=sched,
+        policy="sarathi",
+        chunk_size=ctx.chunk_tokens,
+        max_num_seqs=engine.max_num_seqs,
         max_context=cm.model.max_context,
     )
+    return build_instance(config, executor)
 
 
 def simulate_plan(

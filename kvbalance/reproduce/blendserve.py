@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbalance.offline.density import DensityConstants
+from kvbalance.offline.density import DensityConstants, job_density_fn
 from kvbalance.offline.plan import PLANNERS, PlanContext
 from kvbalance.offline.simulate import OfflineEngineConfig, simulate_plan, simulate_ranks
 from kvbalance.workloads.offline import PRESETS, OfflineJobConfig, build_job, tune_job
@@ -70,7 +70,7 @@ class _Bar:
 
 def _job(k: DensityConstants, density: float, sharing: float, n: int, video_mean: int):
     cfg = OfflineJobConfig(num_requests=n, video_output_mean_tokens=video_mean, seed=SEED)
-    return build_job(tune_job(cfg, k, density, sharing))
+    return build_job(tune_job(cfg, job_density_fn(k), density, sharing))
 
 
 def _run(

@@ -12,7 +12,9 @@ Task types:
   paper), uniform in [0.5, 1.5] x the mean so the longest request stays a bounded serial chain: memory-heavy.
 
 A job is tuned to a target compute density and prefix-sharing ratio by two knobs found by bisection: the share
-of video requests (density) and a scale on the shared prefixes' lengths (sharing).
+of video requests (density) and a scale on the shared prefixes' lengths (sharing). The density of a job is
+the planner's business (``offline/density.py``): the tuner takes it as a function ``density_of(prompt_lens,
+output_lens, sharing) -> rho`` (``offline.density.job_density_fn``), so this module stays below ``offline``.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ from __future__ import annotations
 import json
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from kvbalance.offline.density import DensityConstants, comp_s, mem_s
 from kvbalance.request import Request, SamplingParams
 from kvbalance.workloads.tokens import SyntheticPrompt
 
@@ -147,13 +149,11 @@ def shape_sharing(shape: JobShape, block_size: int = BLOCK) -> float:
     return saved / total if total else 0.0
 
 
-def shape_density(shape: JobShape, k: DensityConstants) -> float:
-    s = shape_sharing(shape)
-    return (
-        (1 - s)
-        * float(comp_s(shape.prompt_len, shape.output_len, k).sum())
-        / float(mem_s(shape.prompt_len, shape.output_len, k).sum())
-    )
+DensityFn = Callable[[np.ndarray, np.ndarray, float], float]
+
+
+def shape_density(shape: JobShape, density_of: DensityFn) -> float:
+    return density_of(shape.prompt_len, shape.output_len, shape_sharing(shape))
 
 
 def _bisect(f, lo: float, hi: float, target: float, increasing: bool, iters: int = 40) -> float:
@@ -166,7 +166,9 @@ def _bisect(f, lo: float, hi: float, target: float, increasing: bool, iters: int
     return (lo + hi) / 2
 
 
-def tune_job(cfg: OfflineJobConfig, k: DensityConstants, density: float, sharing: float) -> OfflineJobConfig:
+def tune_job(
+    cfg: OfflineJobConfig, density_of: DensityFn, density: float, sharing: float
+) -> OfflineJobConfig:
     """The config nearest ``density`` and ``sharing``: bisect the video share (density falls with it) and the
     prefix scale (sharing grows with it), alternating until both settle."""
     dr = _draws(cfg)
@@ -184,7 +186,7 @@ def tune_job(cfg: OfflineJobConfig, k: DensityConstants, density: float, sharing
         cfg = replace(
             cfg,
             video_fraction=_bisect(
-                lambda x, c=cfg: shape_density(job_shape(replace(c, video_fraction=x), dr), k),
+                lambda x, c=cfg: shape_density(job_shape(replace(c, video_fraction=x), dr), density_of),
                 0.0,
                 0.5,
                 density,
@@ -239,14 +241,14 @@ def build_job(cfg: OfflineJobConfig) -> list[Request]:
 
 
 def preset_job(
-    name: str, k: DensityConstants, num_requests: int = 2000, seed: int = 0, **overrides
+    name: str, density_of: DensityFn, num_requests: int = 2000, seed: int = 0, **overrides
 ) -> list[Request]:
-    """The job of preset ``name`` (``trace1``..``trace4``), tuned for the density constants ``k``."""
+    """The job of preset ``name`` (``trace1``..``trace4``), tuned with ``density_of``."""
     if name not in PRESETS:
         raise ValueError(f"trace: unknown {name!r} (known: {', '.join(PRESETS)})")
     p = PRESETS[name]
     cfg = OfflineJobConfig(num_requests=num_requests, seed=seed, **overrides)
-    return build_job(tune_job(cfg, k, p.density, p.sharing))
+    return build_job(tune_job(cfg, density_of, p.density, p.sharing))
 
 
 # -- OpenAI Batch input ---------------------------------------------------------------------------------

@@ -31,13 +31,18 @@ def constants(ctx: PlanContext) -> DensityConstants:
     return DensityConstants.for_model(ctx.model, ctx.gpu, ctx.tp)
 
 
-def kv_tokens(ctx: PlanContext) -> int:
-    """Free KV memory M of one replica, in tokens."""
+MAX_NUM_SEQS = 1024  # the offline engine's sequence cap (simulate.OfflineEngineConfig's default)
+
+
+def kv_tokens(ctx: PlanContext, max_num_seqs: int = MAX_NUM_SEQS) -> int:
+    """Free KV memory M of one replica, in tokens (per GPU; TP shards the KV heads), after weights and the
+    activation reserve of the chunk budget (``perf.memory``)."""
     if ctx.kv_capacity_tokens is not None:
         return ctx.kv_capacity_tokens
-    from kvbalance.perf.cost import activation_reserve_bytes, kv_capacity_tokens
+    from kvbalance.perf.memory import engine_activation_reserve_bytes, kv_capacity_tokens
+    from kvbalance.specs import get_model
 
-    reserve = activation_reserve_bytes(ctx.model, ctx.tp, ctx.chunk_tokens)
+    reserve = engine_activation_reserve_bytes(get_model(ctx.model), ctx.tp, ctx.chunk_tokens, max_num_seqs)
     return kv_capacity_tokens(ctx.model, ctx.gpu, ctx.tp, 0.9, reserve)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvbalance.kvcache.prefix import request_block_hashes
 from kvbalance.offline.plan import PLANNERS, OfflinePlan, PlanContext
 from kvbalance.offline.planners._common import weights
 from kvbalance.request import Request
@@ -26,15 +25,14 @@ class LPMAdmission:
         self.fallback = fallback
 
     def before_step(self, instance, now: float) -> None:
-        # the waiting queue and the radix cache are the scheduler's; LPM needs both, as SGLang's policy does
-        sched, cache = instance.scheduler, instance.cache
+        # the waiting queue and the prefix cache are the scheduler's; LPM needs both, as SGLang's policy does
+        sched = instance.scheduler
         waiting = sched.waiting
-        if cache is None or len(waiting) < 2 or len(waiting) > self.fallback:
+        if sched.cache is None or len(waiting) < 2 or len(waiting) > self.fallback:
             return
-        bs = sched.block_size
 
         def matched(req: Request) -> int:
-            return cache.match_prefix(request_block_hashes(req, bs, req.num_tokens - 1))[1]
+            return sched.kv.get_computed_blocks(req).num_blocks
 
         ranked = sorted(waiting, key=lambda r: -matched(r))  # stable: FCFS among equal matches
         waiting.clear()
