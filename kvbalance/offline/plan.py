@@ -61,8 +61,10 @@ class PlanContext:
 class OfflinePlan:
     """A planned job. ``groups`` are contiguous runs of ``order`` that stay on one rank (prefix subtrees);
     ``weights[i]`` is request i's estimated work (prompt + estimated output tokens) used to balance ranks.
-    ``mode`` is the step-time model the planner's engine runs with; ``admission`` (optional) reorders the
-    waiting queue at each step for planners that decide dynamically (``sglang-lpm``)."""
+    ``mode`` is the step-time model the planner's engine runs with; ``admission`` (optional), for planners
+    that decide dynamically (``sglang-lpm``), has ``before_step(instance, now)``: a runner calls it before
+    every ``instance.step(now)`` to reorder the waiting queue (the simulator does; FCFS in ``order`` otherwise).
+    ``rank_fn`` replaces the default split of ``ranks`` (BlendServe re-plans each rank's subtrees)."""
 
     planner: str
     order: list[int]
