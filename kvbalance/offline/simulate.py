@@ -15,6 +15,7 @@ import numpy as np
 
 from kvbalance.engine import Instance, InstanceConfig, build_instance
 from kvbalance.executor.sim import SimExecutor
+from kvbalance.offline.admission import InBatchPrefixDefer
 from kvbalance.offline.plan import OfflinePlan, PlanContext
 from kvbalance.offline.planners._common import MAX_NUM_SEQS, constants, job_stats, kv_tokens
 from kvbalance.offline.tree import PrefixTree
@@ -30,6 +31,7 @@ class OfflineEngineConfig:
     max_num_seqs: int = MAX_NUM_SEQS
     interference_factor: float = DEFAULT_INTERFERENCE_FACTOR
     record_steps: bool = False  # keep per-step compute / memory utilisation (for plots)
+    in_batch_prefix_check: bool = True  # SGLang-style: no two requests prefill one uncached prefix together
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -119,9 +121,14 @@ def simulate_plan(
     if optimal_makespan_s is None:
         tree = PrefixTree.from_requests(requests, ctx.block_size)
         optimal_makespan_s = job_stats(requests, tree, constants(ctx))["optimal_makespan_s"]
-    reqs = [clone_request(requests[i]) for i in plan.order]
-    rejected = [r.request_id for r in reqs if not inst.add_request(r, 0.0)]
-    admission = plan.admission
+    clones = [clone_request(r) for r in requests]
+    reqs = [clones[i] for i in plan.order]
+    admission = plan.admission.bind(clones) if plan.admission is not None else None
+    feeds = admission is not None and getattr(admission, "feeds", False)
+    hooks = [h for h in (admission, InBatchPrefixDefer() if engine.in_batch_prefix_check else None) if h]
+    if not feeds:
+        for r in reqs:
+            inst.add_request(r, 0.0)
     seen: set[str] = set()
     hits = 0
     now = 0.0
@@ -131,11 +138,16 @@ def simulate_plan(
     cu: list[float] = []
     mu: list[float] = []
     ends: list[float] = []
-    while inst.has_work():
-        if admission is not None:
-            admission.before_step(inst, now)
+    while inst.has_work() or (feeds and admission.pending):
+        for h in hooks:
+            h.before_step(inst, now)
         out = inst.step(now)
-        if out is None:
+        for h in hooks:
+            if hasattr(h, "after_step"):
+                h.after_step(inst, now)
+        if out is None and feeds and not inst.has_work():
+            continue  # everything released so far was rejected: release more
+        if out is None:  # pragma: no cover - a scheduler bug, not an input error
             raise RuntimeError(f"{plan.planner}: the engine has work but planned an empty step")
         for s in out.plan.seqs:
             req = s.request
@@ -153,9 +165,8 @@ def simulate_plan(
         if done and on_step is not None:
             finished += len(done)
             on_step(finished)
-    unfinished = [
-        r.request_id for r in reqs if r.state is not RequestState.FINISHED and r.request_id not in rejected
-    ]
+    rejected = [r.request_id for r in reqs if r.state is RequestState.REJECTED]
+    unfinished = [r.request_id for r in reqs if r.state not in (RequestState.FINISHED, RequestState.REJECTED)]
     if unfinished:
         raise RuntimeError(f"{plan.planner}: {len(unfinished)} requests neither finished nor rejected")
     served = [r for r in reqs if r.state is RequestState.FINISHED]
@@ -193,7 +204,9 @@ def simulate_ranks(
         if not rank:
             continue
         sub = [requests[i] for i in rank]
-        sub_plan = OfflinePlan(plan.planner, list(range(len(sub))), mode=plan.mode, admission=plan.admission)
+        # a feeding admission is planned over the whole job: a rank follows its own static order instead
+        adm = None if getattr(plan.admission, "feeds", False) else plan.admission
+        sub_plan = OfflinePlan(plan.planner, list(range(len(sub))), mode=plan.mode, admission=adm)
         results.append(simulate_plan(sub, sub_plan, ctx, engine, optimal_makespan_s=t_opt / n))
     makespan = max(r.makespan_s for r in results)
     tokens = sum(r.input_tokens + r.output_tokens for r in results)

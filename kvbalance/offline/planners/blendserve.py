@@ -5,7 +5,8 @@
    first and its outputs are kept;
 3. per-level sort by density and conditional node splitting, keeping >= 99% of the sharing (``split.py``);
 4. dual scanning of the density-ordered leaves from both ends with the KV memory split M_L / M_R
-   (``dual_scan.py``);
+   (``dual_scan.py`` plays it on a fluid clock into ``order``; ``admission.py`` plays it against the live
+   engine in the simulator);
 5. data parallelism: the tree cut into balanced subtrees, one per rank, each rank dual-scanned on its own.
 """
 
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvbalance.offline.admission import DualScanAdmission
 from kvbalance.offline.density import mem_s
 from kvbalance.offline.dual_scan import dual_scan, side_budget
 from kvbalance.offline.plan import PLANNERS, OfflinePlan, PlanContext
@@ -69,7 +71,8 @@ class BlendServePlanner:
                 amortised,
             )
 
-        ds = scan(tree.leaf_order())
+        leaves = tree.leaf_order()
+        ds = scan(leaves)
         order = list(est.samples) + ds.order
         weights = (p + d).astype(float).tolist()
         stats = job_stats(requests, tree, k)
@@ -97,6 +100,8 @@ class BlendServePlanner:
                 stats[f"{side}_decode_requests"] = n_side
                 stats[f"{side}_prefill_budget_tokens"] = c_side
         plan = OfflinePlan(self.name, order, mode=self.mode, weights=weights, warmup=list(est.samples))
+        rest = [i for i in leaves if i not in warm]
+        plan.admission = DualScanAdmission(est.samples, rest, amortised, d, eff_comp, mem, rho_root, m_tokens)
         plan.batches = ds.batches
         plan.stats = stats
         plan.rank_fn = lambda n: self._ranks(n, tree, weights, est.samples, scan)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvbalance.offline.admission import DualScanAdmission
 from kvbalance.offline.density import comp_s, mem_s
 from kvbalance.offline.dual_scan import dual_scan
 from kvbalance.offline.plan import PLANNERS, OfflinePlan, PlanContext
@@ -48,5 +49,6 @@ class NanoFlowBalancePlanner:
             self.name, order, mode=self.mode, weights=(p + d).astype(float).tolist(), warmup=list(est.samples)
         )
         plan.batches = ds.batches
+        plan.admission = DualScanAdmission(est.samples, seq, p, d, comp, mem, rho_root, kv_tokens(ctx))
         plan.stats = stats
         return plan

@@ -21,8 +21,13 @@ LPM_FCFS_FALLBACK = 128  # SGLang: more waiting requests than this -> FCFS
 class LPMAdmission:
     """Before each step: with at most ``fallback`` requests waiting, order them by longest cached prefix."""
 
+    feeds = False  # the runner queues the whole job; this only reorders the waiting queue
+
     def __init__(self, fallback: int = LPM_FCFS_FALLBACK) -> None:
         self.fallback = fallback
+
+    def bind(self, requests) -> LPMAdmission:
+        return self  # stateless
 
     def before_step(self, instance, now: float) -> None:
         # the waiting queue and the prefix cache are the scheduler's; LPM needs both, as SGLang's policy does
