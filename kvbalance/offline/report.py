@@ -56,7 +56,8 @@ def write_readme(path: Path, rows: list[dict], scale, quick: bool) -> None:
         f"Simulated (cost model) llama-3.1-8b on one a100-80gb, {scale.num_requests} requests per trace "
         f"(video outputs {scale.video_output_mean_tokens} tokens on average; the paper: 400k requests, 16K). "
         "Throughput = (input + output tokens) / makespan; optimal_fraction = T_opt / makespan with "
-        "T_opt = max((1 - s_opt) T_comp, T_mem).",
+        "T_opt = max((1 - s_opt) T_comp, T_mem); chain_bound_s = the longest request's own serial decode "
+        "(no order beats it); bound_fraction = max(T_opt, chain bound) / makespan.",
         "",
         "## Main result",
         "",

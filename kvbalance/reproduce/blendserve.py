@@ -20,6 +20,7 @@ from pathlib import Path
 from kvbalance.offline.density import DensityConstants, job_density_fn
 from kvbalance.offline.plan import PLANNERS, PlanContext
 from kvbalance.offline.simulate import OfflineEngineConfig, simulate_plan, simulate_ranks
+from kvbalance.perf.cost import CostModel
 from kvbalance.workloads.offline import PRESETS, OfflineJobConfig, build_job, tune_job
 
 MODEL_8B, MODEL_70B, GPU = "llama-3.1-8b", "llama-3.1-70b", "a100-80gb"
@@ -73,6 +74,15 @@ def _job(k: DensityConstants, density: float, sharing: float, n: int, video_mean
     return build_job(tune_job(cfg, job_density_fn(k), density, sharing))
 
 
+def chain_bound_s(reqs, ctx: PlanContext) -> float:
+    """The longest request's own serial decode: d steps at batch 1, each at least one decode step of the cost
+    model (weights read once per step). No order beats it; at the paper's 400k requests it is negligible,
+    at a few thousand it is not."""
+    cm = CostModel(ctx.model, ctx.gpu, ctx.tp)
+    r = max(reqs, key=lambda q: q.max_tokens)
+    return r.max_tokens * cm.step_seconds([(1, r.num_prompt_tokens + r.max_tokens // 2, True)])
+
+
 def _run(
     reqs, planner: str, ctx: PlanContext, engine: OfflineEngineConfig, extra: dict
 ) -> tuple[dict, object]:
@@ -81,6 +91,9 @@ def _run(
     plan_s = time.perf_counter() - t0
     res = simulate_plan(reqs, plan, ctx, engine)
     row = {**extra, **res.row(), "plan_s": plan_s, "job_density": plan.stats.get("density")}
+    chain = chain_bound_s(reqs, ctx)
+    row["chain_bound_s"] = chain
+    row["bound_fraction"] = max(row["optimal_makespan_s"], chain) / row["makespan_s"]
     row["planned_sharing"] = plan.stats.get("planned_sharing", plan.stats.get("dfs_sharing"))
     if planner == "blendserve":
         for key in ("sharing_kept", "split_leaf_fraction", "estimate_weighted_abs_error", "num_samples"):
