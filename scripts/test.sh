@@ -10,4 +10,11 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/lint-imports --no-cache  # the layers contract in pyproject.toml: imports point down only
-exec .venv/bin/python -m pytest "$@"
+.venv/bin/python -m pytest "$@"
+# requires-python says 3.10: where a Python 3.10 is installed, the light core (no torch) runs its tests there
+# too (only for the default run; torch's local CPU build here is for 3.11).
+if [ "$#" -eq 0 ] && python3.10 -c "" 2>/dev/null; then
+  [ -x .venv310/bin/python ] || python3.10 -m venv .venv310
+  .venv310/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+  .venv310/bin/python -m pytest -q -p no:randomly
+fi

@@ -8,20 +8,21 @@ moved copies left behind are poisoned with NaN, so any read of them would change
 from __future__ import annotations
 
 import pytest
-import torch
 
-from kvbalance.batch import BatchPlan, ScheduledSeq
-from kvbalance.executor.torch import TorchExecutor
-from kvbalance.model.llama import LlamaConfig
-from kvbalance.model.partial_attention import (
+torch = pytest.importorskip("torch")
+
+from kvbalance.batch import BatchPlan, ScheduledSeq  # noqa: E402
+from kvbalance.executor.torch import TorchExecutor  # noqa: E402
+from kvbalance.model.llama import LlamaConfig  # noqa: E402
+from kvbalance.model.partial_attention import (  # noqa: E402
     AttentionSplit,
     HelperAttention,
     LayerSplit,
     merge_partial_attention,
     partial_attention,
 )
-from kvbalance.model.weights import random_weights
-from kvbalance.request import Request
+from kvbalance.model.weights import random_weights  # noqa: E402
+from kvbalance.request import Request  # noqa: E402
 
 BLOCK = 8
 NUM_OUT = 10
