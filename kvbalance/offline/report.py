@@ -71,6 +71,8 @@ def write_readme(path: Path, rows: list[dict], scale, quick: bool) -> None:
         "makespan_s",
         "sharing_ratio",
         "optimal_fraction",
+        "chain_bound_s",
+        "bound_fraction",
     ]
     lines = [
         f"# BlendServe reproduction ({'quick' if quick else 'full'})",
