@@ -23,6 +23,8 @@ COMMANDS = {
     "bench": "bench",
     "profile": "profile",
     "offline": "offline",
+    "calibrate": "calibrate",
+    "batch": "batch",
 }
 
 

@@ -92,6 +92,8 @@ def test_cost_model_steps_classify_prefill_as_compute_and_decode_as_memory_bound
             t += breakdown_total_s(b)
     snap = m.snapshot(2.0)
     assert snap["prefill"].memory_share < 0.2 and not snap["prefill"].memory_bound
-    assert snap["decode"].memory_share > 0.8 and snap["decode"].memory_bound
+    # fitted presets: 48-token GEMMs sit near the roofline ridge (the A40-fitted GEMM curve reaches half its
+    # peak fraction at M=117), so a third of this decode step's time is compute-bound
+    assert snap["decode"].memory_share > 0.6 and snap["decode"].memory_bound
     for u in snap.values():  # back-to-back steps: busy all the time, operators most of it
         assert u.busy_util == pytest.approx(1.0) and 0.8 < u.time_util < 1.0

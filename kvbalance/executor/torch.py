@@ -172,8 +172,20 @@ class TorchExecutor:
                 sp = req.sampling
                 sample_rows.append(b)
                 sample_ids.append(req.request_id)
+                penalised = sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
                 sample_params.append(
-                    SampleRequest(sp.temperature, sp.top_k, sp.top_p, sp.seed, sp.logprobs, position=end)
+                    SampleRequest(
+                        sp.temperature,
+                        sp.top_k,
+                        sp.top_p,
+                        sp.seed,
+                        sp.logprobs,
+                        position=end,
+                        logit_bias=sp.logit_bias,
+                        presence_penalty=sp.presence_penalty,
+                        frequency_penalty=sp.frequency_penalty,
+                        output_token_ids=req.output_token_ids if penalised else (),
+                    )
                 )
         attn = self.model.layers[0].attn
         meta = build_step_metadata(

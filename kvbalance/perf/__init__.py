@@ -7,10 +7,10 @@ from kvbalance.perf.cost import (
     OpTime,
     allreduce_time,
     breakdown_total_s,
-    step_cost_report,
     transfer_time,
 )
 from kvbalance.perf.memory import activation_reserve_bytes, kv_bytes_per_token, kv_capacity_tokens
+from kvbalance.perf.report import step_cost_report
 
 __all__ = [
     "CalibrationResult",

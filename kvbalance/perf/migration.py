@@ -197,8 +197,9 @@ def stage_times(cm: CostModel, seqs: Sequence[SeqWork], layers: tuple[int, int])
 
     Per-layer operators (``OpCount.repeat`` a multiple of L) count ``(b - a) / L`` of their total;
     per-step operators before the first layer (embedding) go to the stage holding layer 0, those after
-    the last (final norm, LM head) to the stage holding layer L - 1. The launch overhead is one step
-    overhead per stage plus the per-layer part for its layers; the TP all-reduce scales with the layers.
+    the last (final norm, LM head) to the stage holding layer L - 1. The overhead is the fixed host time once
+    per stage, the rest of the host overhead (per sequence, per token) and the per-layer launch gaps in
+    proportion to its layers, plus its operators' kernel latencies; the TP all-reduce scales with the layers.
     """
     a, b = _check_range(cm, layers)
     L = cm.model.num_layers
@@ -207,7 +208,7 @@ def stage_times(cm: CostModel, seqs: Sequence[SeqWork], layers: tuple[int, int])
         return StageTimes(0.0, 0.0, 0.0, 0.0)
     times = cm.op_times(seqs)
     share = (b - a) / L
-    compute = memory = 0.0
+    compute = memory = latency = 0.0
     seen_layer_op = False
     for op in counts:
         t: OpTime = times[op.name]
@@ -223,9 +224,10 @@ def stage_times(cm: CostModel, seqs: Sequence[SeqWork], layers: tuple[int, int])
             compute += f * t.compute_s
         else:
             memory += f * t.memory_s
-    step_oh = cm.gpu.step_overhead_s
-    overhead = step_oh + (cm.overhead_s - step_oh) * share
+        latency += f * t.latency_s
     tokens = sum(n for n, _, _ in seqs)
+    step_oh = cm.gpu.step_overhead_s
+    overhead = step_oh + (cm.host_overhead_s(len(seqs), tokens) - step_oh) * share + latency
     return StageTimes(compute, memory, overhead, cm.comm_s(tokens) * share)
 
 
