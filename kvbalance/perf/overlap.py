@@ -10,6 +10,8 @@ BlendServe's T = max(T_comp, T_mem)). Here, over the cost model's per-operator r
     overlap (NanoFlow-style):   T = min(sum_op max(c_op, m_op) + comm,
                                         f * max(sum_op c_op, sum_op m_op, comm)) + overhead
 
+(overhead: the host time per step and the kernel latencies of ``CostModel.step``).
+
 with ``f`` the interference factor (>= 1) of kernels sharing SMs, L2 and HBM. The default 1.10 is an
 unfitted engineering figure, not a measurement: NanoFlow's own interference profiling (section 4.1.2)
 shows concurrent GEMM and GEMV kernels each losing performance versus running alone, and its end-to-end
@@ -61,10 +63,12 @@ class OverlapStepModel:
         if not seqs:
             return StepBreakdown()
         cm = self.cost_model
+        seqb = cm.step(seqs)  # sequential breakdown: its overhead (host time, kernel latencies) stays serial
         times = cm.op_times(seqs)
-        comp, mem, seq, comm = resource_times_s(times, cm.comm_s(sum(n for n, _, _ in seqs)))
+        comp, mem, _, comm = resource_times_s(times, seqb.comm_s)
+        seq = seqb.compute_s + seqb.memory_s
         core = min(seq + comm, self.config.interference_factor * max(comp, mem, comm))
-        b = StepBreakdown(overhead_s=cm.overhead_s)
+        b = StepBreakdown(overhead_s=seqb.overhead_s)
         if comm > max(comp, mem):
             b.comm_s = core
         elif comp >= mem:
