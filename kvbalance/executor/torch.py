@@ -96,6 +96,7 @@ class TorchExecutor:
         self.transfer_handler = transfer_handler
         with torch.inference_mode():
             self.model = build_model(self.config, weights, self.device, dtype)
+            self.packed_weights = self.model.pack_weights_for_cpu()  # float32 CPU: MKL-packed GEMM weights
             c = self.config
             # head-major per layer (see ``Attention``); the block helpers speak [blocks, block_size, kvh, hd]
             self.kv_cache = torch.zeros(
