@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     ):
         q = osub.add_parser(name, help=help_)
         q.add_argument("input", help="OpenAI Batch input file (JSONL)")
-        q.add_argument("--model", default="llama-3.1-8b")
+        q.add_argument("--model", default=None, help="default: llama-3.1-8b simulated, smollm2-135m real")
         q.add_argument("--gpu", default="a100-80gb")
         q.add_argument("--tp", type=int, default=1)
         q.add_argument("--kv-tokens", type=int, default=None, help="free KV memory per replica (tokens)")
@@ -55,6 +55,8 @@ def _context(args):
     from kvbalance.offline.plan import PlanContext
     from kvbalance.specs import get_gpu, get_model
 
+    if args.model is None:
+        args.model = "llama-3.1-8b"
     get_model(args.model)
     get_gpu(args.gpu)
     if args.max_num_seqs < 1:
@@ -145,6 +147,15 @@ def _run_run(args) -> int:
             raise ValueError(
                 f"output: the real-engine runner is not available ({e}); use --simulate"
             ) from None
+        if not args.output:
+            raise ValueError("output: give --output OUT.jsonl for a real run (or --simulate to predict)")
+        import argparse
+
+        full = argparse.ArgumentParser(add_help=False)
+        runner.add_run_arguments(full)
+        for key, value in vars(full.parse_args([args.input, "--output", args.output])).items():
+            if getattr(args, key, None) is None:  # flags this parser leaves unset take the runner's defaults
+                setattr(args, key, value)
         return runner.run_command(args)
     if args.data_parallel < 1:
         raise ValueError(f"data_parallel: must be >= 1, got {args.data_parallel}")
