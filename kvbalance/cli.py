@@ -24,7 +24,6 @@ COMMANDS = {
     "profile": "profile",
     "offline": "offline",
     "calibrate": "calibrate",
-    "batch": "batch",
 }
 
 

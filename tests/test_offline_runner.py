@@ -234,7 +234,7 @@ def test_cli_batch_run_token_id_prompts(tmp_path, capsys):
     ]
     path.write_text("\n".join([*lines, "not json"]) + "\n")
     out = tmp_path / "out.jsonl"
-    argv = ["batch", "run", str(path), "--output", str(out), "--model", "tiny-llama", "--no-progress"]
+    argv = ["offline", "run", str(path), "--output", str(out), "--model", "tiny-llama", "--no-progress"]
     argv += ["--kv-cache-tokens", "1024", "--num-threads", "1"]
     assert main(argv) == 0
     assert "4 lines: 3 generated, 0 resumed, 0 refused (4xx), 1 invalid lines" in capsys.readouterr().out
@@ -242,8 +242,8 @@ def test_cli_batch_run_token_id_prompts(tmp_path, capsys):
     assert [r["custom_id"] for r in records] == ["r0", "r1", "r2", None]
     assert all(len(r["response"]["body"]["choices"][0]["token_ids"]) == 3 for r in records[:3])
     assert main(argv) == 0 and "already complete" in capsys.readouterr().out
-    assert main(["batch", "run", str(tmp_path / "nope.jsonl"), "--output", str(out)]) == 2
-    assert main(["batch", "run", str(path), "--model", "tiny-llama"]) == 2
+    assert main(["offline", "run", str(tmp_path / "nope.jsonl"), "--output", str(out)]) == 2
+    assert main(["offline", "run", str(path), "--model", "tiny-llama"]) == 2
     assert "output" in capsys.readouterr().err
     assert main([*argv, "--planner", "nope"]) == 2
     assert "planner: unknown 'nope'" in capsys.readouterr().err

@@ -49,6 +49,9 @@ def add_parser(sub) -> None:
     run_p.add_argument(
         "--ray-address", default=None, help="existing Ray cluster for --data-parallel (real run)"
     )
+    from kvbalance.offline.runner import add_run_arguments
+
+    add_run_arguments(run_p, positional_input=False)  # the real run's engine flags (torch extra)
 
 
 def _context(args):
@@ -139,23 +142,10 @@ def _run_plan(args) -> int:
 
 def _run_run(args) -> int:
     if not args.simulate:
-        import importlib
+        from kvbalance.offline import runner
 
-        try:
-            runner = importlib.import_module("kvbalance.offline.runner")
-        except ImportError as e:
-            raise ValueError(
-                f"output: the real-engine runner is not available ({e}); use --simulate"
-            ) from None
         if not args.output:
             raise ValueError("output: give --output OUT.jsonl for a real run (or --simulate to predict)")
-        import argparse
-
-        full = argparse.ArgumentParser(add_help=False)
-        runner.add_run_arguments(full)
-        for key, value in vars(full.parse_args([args.input, "--output", args.output])).items():
-            if getattr(args, key, None) is None:  # flags this parser leaves unset take the runner's defaults
-                setattr(args, key, value)
         return runner.run_command(args)
     if args.data_parallel < 1:
         raise ValueError(f"data_parallel: must be >= 1, got {args.data_parallel}")

@@ -242,7 +242,7 @@ def _contiguous_ranks(todo: list[PreparedRequest], n: int) -> list[list[Prepared
     return out
 
 
-# -- command line (``kvbalance batch run``; to be wired into ``kvbalance offline run``) -------------------
+# -- command line (``kvbalance offline run INPUT --output OUT``) -------------------
 REAL_RUN_MODEL = "smollm2-135m"  # the default model of a real run (a parent command's --model may be None)
 
 
