@@ -6,7 +6,11 @@ killed / survived / timeout / suspicious / no-tests counts and the kill ratio pe
 Equivalent mutants (no behaviour change) are listed, one per line with a reason, in
 ``benchmarks/results/mutation_equivalent.md`` and left out of the ratio's denominator:
 
-    kill ratio = (killed + timeout) / (all checked - equivalent)
+    kill ratio = (killed + timeout) / (all checked - equivalent), "no tests" counted as not killed
+
+mutmut resets its verdicts whenever its test selection changes; this script keeps the merged verdicts of
+every run in ``mutants/merged-results.json`` (a killed mutant stays killed while its source file is
+unchanged), so ``rerun-survivors`` after adding tests only retests what survived.
 
 Usage (from the repository root; ``scripts/mutation.sh`` wraps it):
 
@@ -19,6 +23,7 @@ Usage (from the repository root; ``scripts/mutation.sh`` wraps it):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import subprocess
@@ -30,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MUTANTS = ROOT / "mutants"
 EQUIVALENT = ROOT / "benchmarks" / "results" / "mutation_equivalent.md"
 RESULT_JSON = ROOT / "benchmarks" / "results" / "mutation.json"
+MERGED = MUTANTS / "merged-results.json"
 MUTMUT = [str(ROOT / ".venv" / "bin" / "mutmut")]
 
 # path name -> mutant-name glob (mutmut names a mutant by its dotted module and function)
@@ -56,12 +62,41 @@ STATUS[37] = "type_check"
 COLUMNS = ("killed", "survived", "timeout", "suspicious", "no_tests", "equivalent", "not_checked")
 
 
-def load_results() -> dict[str, int | None]:
-    """Every mutant's exit code from the last run (``mutants/**/*.py.meta``); None = not checked yet."""
-    out: dict[str, int | None] = {}
+def _last_run() -> dict[str, tuple[int | None, str]]:
+    """Every mutant's exit code from mutmut's last run (``mutants/**/*.py.meta``; None = not checked yet),
+    with a hash of the source file it mutates."""
+    out: dict[str, tuple[int | None, str]] = {}
     for meta in sorted(MUTANTS.glob("kvbalance/**/*.py.meta")):
-        out.update(json.loads(meta.read_text())["exit_code_by_key"])
+        source = ROOT / meta.relative_to(MUTANTS).with_suffix("")
+        digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16] if source.exists() else ""
+        for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+            out[name] = (code, digest)
     return out
+
+
+def merge_results() -> dict[str, int | None]:
+    """Fold mutmut's last run into ``mutants/merged-results.json`` and return the merged exit codes.
+
+    mutmut resets every verdict when its test selection changes; tests are only ever added between runs,
+    so a mutant once killed stays killed (while its source file is unchanged: a changed file drops the
+    old verdicts). Any other verdict is replaced by the newest checked one.
+    """
+    merged: dict[str, list] = json.loads(MERGED.read_text()) if MERGED.exists() else {}
+    for name, (code, digest) in _last_run().items():
+        old = merged.get(name)
+        if old is not None and old[1] != digest:
+            old = None
+        if old is not None and STATUS.get(old[0]) in ("killed", "timeout"):
+            continue
+        if code is not None or old is None:
+            merged[name] = [code, digest]
+    if MUTANTS.exists():
+        MERGED.write_text(json.dumps(merged, indent=0, sort_keys=True) + "\n")
+    return {name: code for name, (code, _) in merged.items()}
+
+
+def load_results() -> dict[str, int | None]:
+    return merge_results()
 
 
 def load_equivalent() -> dict[str, str]:
@@ -93,7 +128,7 @@ def summarise(paths: list[str]) -> dict:
     table["overall"] = sum(table.values(), Counter())
     report = {}
     for path, c in table.items():
-        denom = sum(c[k] for k in ("killed", "survived", "timeout", "suspicious", "segfault"))
+        denom = sum(c[k] for k in ("killed", "survived", "timeout", "suspicious", "segfault", "no_tests"))
         killed = c["killed"] + c["timeout"]
         report[path] = {**{k: c[k] for k in COLUMNS}, "ratio": killed / denom if denom else None}
     return report
@@ -107,14 +142,16 @@ def print_report(report: dict) -> None:
         ratio = "-" if row["ratio"] is None else f"{100 * row['ratio']:.1f}%"
         print(f"{path:<10}" + "".join(f"{row[k]:>12}" for k in COLUMNS) + f"{ratio:>12}")
     print(
-        "\nkill ratio = (killed + timeout) / (killed + survived + timeout + suspicious), equivalent excluded"
+        "\nkill ratio = (killed + timeout) / (killed + survived + timeout + suspicious + no tests); equivalent excluded"
     )
 
 
 def survivors(paths: list[str]) -> list[str]:
     equivalent = load_equivalent()
     return [
-        n for n, code in load_results().items() if code == 0 and path_of(n) in paths and n not in equivalent
+        n
+        for n, code in load_results().items()
+        if STATUS.get(code) in ("survived", "no_tests") and path_of(n) in paths and n not in equivalent
     ]
 
 

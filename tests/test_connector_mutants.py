@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 from conftest import make_request
 
-from kvbalance.batch import StepResult
+from kvbalance.batch import BatchPlan, StepResult
 from kvbalance.kvcache.blocks import BlockPool
+from kvbalance.kvcache.connector import NullConnector
 from kvbalance.request import RequestState
 from kvbalance.scheduler import Scheduler, SchedulerConfig
 
@@ -152,3 +153,36 @@ def test_abort_while_loading_holds_blocks_until_the_load_not_a_save_lands():
     _apply(sched, sched.schedule(3.0), loads=["r"])
     assert sched.pool.num_free == 32
     sched.check_invariants()
+
+
+def test_the_null_connector_offers_nothing_and_holds_nothing():
+    null, req = NullConnector(), make_request("r", 8)
+    assert null.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert null.request_finished(req, [1, 2]) is False
+    assert null.update_state_after_alloc(req, [1], 4) is None
+    plan = BatchPlan(block_size=4)
+    null.build_connector_meta(plan)
+    assert plan.kv_loads == [] and plan.kv_saves == []
+
+
+def test_external_tokens_are_bounded_after_a_prefix_hit():
+    # a 4-token prefix hit on a 10-token prompt leaves at most 10 - 1 - 4 = 5 tokens to load
+    conn = ScriptedConnector(external=0, load_async=False)
+    sched = _scheduler(conn)
+    first = make_request("first", list(range(10)), max_tokens=1)
+    sched.add(first)
+    _apply(sched, sched.schedule(0.0))
+    conn.external = 6
+    sched.add(make_request("r", list(range(4)) + [50, 51, 52, 53, 54, 55], max_tokens=1))
+    with pytest.raises(ValueError, match=r"must be in \[0, 5\] \(the last token is always computed\)"):
+        sched.schedule(1.0)
+    conn.external = 5
+    plan = sched.schedule(2.0)
+    assert [(s.start, s.num_new_tokens) for s in plan.seqs] == [(9, 1)] and sched.external_hit_tokens == 5
+
+
+def test_a_one_token_async_load_still_waits_for_its_kv():
+    sched = _scheduler(ScriptedConnector(external=1, load_async=True))
+    req = make_request("r", 6, max_tokens=1)
+    sched.add(req)
+    assert sched.schedule(0.0).seqs == [] and req.state is RequestState.WAITING_FOR_KV

@@ -81,6 +81,7 @@ def test_elastic_pool_hands_out_base_blocks_then_lent_ones_and_sizes_follow():
 
 def test_manager_admits_with_a_prefix_hit_and_counts_available_blocks():
     kv = KVCacheManager(BlockPool(8, 4))
+    assert kv.blocks_for_tokens(9) == 3 and kv.capacity_tokens == 32 and kv.block_size == 4
     a = make_request("a", list(range(10)), max_tokens=2)
     assert kv.get_computed_blocks(a) is NO_HIT
     assert kv.can_admit(NO_HIT, 10) and kv.num_blocks_to_admit(NO_HIT, 10) == 3
@@ -156,3 +157,41 @@ def test_radix_cache_eviction_order_sizes_and_reset():
     assert cache.match_prefix(prefix_block_hashes([200, 201, 202, 203], 2))[1] == 1
     cache.check_invariants()
     assert cache.reset() == 3 and cache.num_cached_blocks == 0 and pool.num_free == 8
+
+
+def _tree(pool):
+    """A cached prefix P = [0..3] (2 blocks of 2) with two branches: A = P + [4..7], B = P + [9, 9, 8, 8]."""
+    cache = RadixCache(pool)
+    ids = {}
+    for name, toks in (("A", list(range(8))), ("B", list(range(4)) + [9, 9, 8, 8])):
+        blocks = pool.allocate(4)
+        _, cached = cache.insert(prefix_block_hashes(toks, 2), blocks)
+        pool.free(blocks)
+        ids[name] = cached
+    return cache, ids
+
+
+def test_evicting_blocks_removes_whole_branches_and_leaves_the_parent_evictable():
+    pool = BlockPool(16, 2)
+    cache, ids = _tree(pool)
+    assert ids["A"][:2] == ids["B"][:2] and cache.num_cached_blocks == 6
+    assert cache.evict_blocks([]) == 0
+    assert cache.evict_blocks([ids["B"][2]]) == 2  # B's branch, from its first block
+    assert cache.num_evicted == 2 and cache.num_cached_blocks == 4 and cache.evictable_blocks == 4
+    cache.check_invariants()
+    assert cache.evict_blocks([ids["A"][3]]) == 1  # only A's last block: the node is cut, not removed
+    cache.check_invariants()
+    assert cache.evict_blocks([ids["A"][2]]) == 1  # now P is a leaf again: it must be evictable
+    cache.check_invariants()
+    assert cache.num_evicted == 4 and cache.num_cached_blocks == 2
+    assert cache.evict(10) == 2 and pool.num_free == 16 and cache.num_evicted == 6
+    cache.check_invariants()
+
+
+def test_evicting_a_prefix_block_drops_everything_below_it():
+    pool = BlockPool(16, 2)
+    cache, ids = _tree(pool)
+    assert cache.evict_blocks([ids["A"][1]]) == 5  # P's second block, both branches under it
+    cache.check_invariants()
+    assert cache.num_cached_blocks == 1 and pool.num_free == 15
+    assert cache.evict(10) == 1 and pool.num_free == 16  # no stale heap entry is freed twice

@@ -236,7 +236,9 @@ def test_has_prefill_work_counts_waiting_mid_prompt_and_recompute():
     assert sched.has_prefill_work()  # a one-token last prompt chunk is still prefill
     _step(sched)
     assert a.num_computed_tokens == 5 and not sched.has_prefill_work()  # decoding only
-    a.num_computed_tokens = 4  # two tokens to compute (a recompute): prefill work
+    _step(sched)
+    assert (a.num_computed_tokens, len(a.output_token_ids)) == (6, 2) and not sched.has_prefill_work()
+    a.num_computed_tokens = 5  # two tokens to compute past the prompt (a recompute): prefill work
     assert sched.has_prefill_work()
 
 
@@ -268,3 +270,11 @@ def test_abort_ends_a_request_wherever_it_is():
     sched.abort(run, 9.0)  # already over: nothing changes
     assert run.finish_s == 2.0
     sched.check_invariants()
+
+
+def test_policy_token_budgets():
+    from kvbalance.scheduler.base import POLICIES
+
+    assert POLICIES.get("sarathi").token_budget(512, 4096) == 512
+    assert POLICIES.get("vllm").token_budget(512, 4096) == 4096  # a whole prompt always fits a step
+    assert POLICIES.get("vllm").token_budget(8192, 4096) == 8192
