@@ -22,6 +22,8 @@ COMMANDS = {
     "serve": "serve",
     "bench": "bench",
     "profile": "profile",
+    "calibrate": "calibrate",
+    "batch": "batch",
 }
 
 

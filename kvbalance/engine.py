@@ -21,7 +21,7 @@ from kvbalance.kvcache.connector import KVConnector
 from kvbalance.kvcache.elastic import OOM, ElasticConfig, ElasticReserve
 from kvbalance.kvcache.manager import KVCacheManager
 from kvbalance.request import Request, RequestState
-from kvbalance.scheduler import Scheduler, SchedulerConfig
+from kvbalance.scheduler import POLICIES, Scheduler, SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +41,15 @@ class InstanceLoad:
     queued_prefill_tokens: int
     decode_tokens: int
     remaining_output_tokens: int
-    kv_used_tokens: int
+    kv_used_tokens: int  # KV held by requests
+    kv_cached_tokens: int  # KV of cached blocks no request holds (evictable on demand)
     kv_capacity_tokens: int
     busy_s: float
     num_steps: int
     num_preemptions: int
+    admitted_tokens: int  # cumulative: tokens that needed KV at admission
+    prefix_hit_tokens: int  # cumulative: of those, served by the local prefix cache
+    external_hit_tokens: int  # cumulative: of those, loaded from outside (KV connector)
 
     @property
     def kv_utilization(self) -> float:
@@ -140,6 +144,18 @@ class Instance:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def kv_used_tokens(self) -> int:
+        return self.scheduler.kv_used_tokens
+
     def load(self) -> InstanceLoad:
         """A typed snapshot of what this instance holds and still has to do (O(requests))."""
         sched = self.scheduler
@@ -163,10 +179,16 @@ class Instance:
             decode_tokens=decode,
             remaining_output_tokens=remaining,
             kv_used_tokens=sched.kv_used_tokens,
+            kv_cached_tokens=(
+                self.cache.evictable_blocks * self.pool.block_size if self.cache is not None else 0
+            ),
             kv_capacity_tokens=self.kv_capacity_tokens,
             busy_s=self.busy_s,
             num_steps=self.num_steps,
             num_preemptions=sched.num_preemptions,
+            admitted_tokens=sched.admitted_tokens,
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            external_hit_tokens=sched.external_hit_tokens,
         )
 
     # -- stepping -----------------------------------------------------------------
@@ -209,5 +231,72 @@ class Instance:
     def abort(self, req: Request, now: float) -> None:
         self.scheduler.abort(req, now)
 
+    def finish_request(self, req: Request, reason: str, now: float) -> None:
+        """End a request from outside with ``reason`` (e.g. a stop string matched in the detokenised text)."""
+        self.scheduler.finish_request(req, reason, now)
+
     def check_invariants(self) -> None:
         self.scheduler.check_invariants()
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """What one instance is, whatever runs its steps (the simulator, the real engine, an experiment).
+
+    ``chunk_size`` is the per-step token budget asked for; the policy turns it into the one it runs with
+    (``vllm`` runs whole prompts, so its budget covers the longest admissible prompt).
+    """
+
+    kv_tokens: int
+    block_size: int = 16
+    policy: str = "sarathi"
+    chunk_size: int = 512
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+    max_context: int = 1 << 30
+    elastic: ElasticConfig | None = None
+    name: str = "instance-0"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size: must be >= 1, got {self.block_size}")
+        if self.kv_tokens < self.block_size:
+            raise ValueError(
+                f"kv_tokens: {self.kv_tokens} is less than one block of {self.block_size} tokens"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {', '.join(POLICIES.names())}, got {self.policy!r}")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_tokens // self.block_size
+
+    @property
+    def token_budget(self) -> int:
+        return POLICIES.get(self.policy).token_budget(self.chunk_size, self.max_context)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            policy=self.policy,
+            max_num_batched_tokens=self.token_budget,
+            max_num_seqs=self.max_num_seqs,
+            enable_prefix_caching=self.enable_prefix_caching,
+            watermark=self.watermark,
+        )
+
+
+def build_instance(
+    config: InstanceConfig, executor: Executor, connector: KVConnector | None = None
+) -> Instance:
+    """The one way an instance is assembled (simulation, the real engine and the experiments)."""
+    return Instance(
+        executor,
+        num_blocks=config.num_blocks,
+        block_size=config.block_size,
+        scheduler_config=config.scheduler_config(),
+        max_context=config.max_context,
+        name=config.name,
+        elastic=config.elastic,
+        connector=connector,
+    )

@@ -15,9 +15,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvbalance.engine import Instance
+from kvbalance.engine import InstanceConfig, build_instance
 from kvbalance.request import Request, RequestState, SamplingParams
-from kvbalance.scheduler import SchedulerConfig
 
 
 @dataclass
@@ -114,20 +113,17 @@ class LLMEngine:
         self.executor = TorchExecutor(
             loaded.config, loaded.state_dict, num_blocks, block_size, device, torch_dtype, num_threads
         )
-        sched = SchedulerConfig(
+        max_ctx = min(max_model_len or self.config.max_context, self.config.max_context)
+        icfg = InstanceConfig(
+            kv_tokens=num_blocks * block_size,
+            block_size=block_size,
             policy=policy,
-            max_num_batched_tokens=max_num_batched_tokens,
+            chunk_size=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching,
-        )
-        max_ctx = min(max_model_len or self.config.max_context, self.config.max_context)
-        self.instance = Instance(
-            self.executor,
-            num_blocks=num_blocks,
-            block_size=block_size,
-            scheduler_config=sched,
             max_context=max_ctx,
         )
+        self.instance = build_instance(icfg, self.executor)
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, _Detok] = {}
@@ -262,7 +258,7 @@ class LLMEngine:
                 cut = i
         if cut is not None:
             detok.text = text[:cut]
-            self.instance.scheduler.finish_request(req, "stop", self.now())
+            self.instance.finish_request(req, "stop", self.now())
 
     def text_of(self, request_id: str) -> str:
         d = self._detok.get(request_id)

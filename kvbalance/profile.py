@@ -378,7 +378,7 @@ def run_real(cfg: ProfileConfig, prompts: list[list[int]], outputs: list[int]) -
         "executor_s": step_s,
         "forward_s": forward_s,
         "host_outside_executor_s": makespan - step_s,
-        "preemptions": eng.instance.scheduler.num_preemptions,
+        "preemptions": eng.instance.load().num_preemptions,
         "_steps": list(rec.log),
     }
 
@@ -417,7 +417,7 @@ def run_predicted(
         "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / run.makespan_s,
         "num_steps": run.num_steps,
-        "preemptions": result.instance.scheduler.num_preemptions,
+        "preemptions": result.instance.load().num_preemptions,
     }
 
 

@@ -91,7 +91,12 @@ class ModelSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V for one token over all layers: 2 * layers * kv_heads * head_dim * dtype."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.kv_bytes_per_gpu(1)
+
+    def kv_bytes_per_gpu(self, tp: int = 1) -> int:
+        """Bytes of K and V for one token on each of ``tp`` GPUs (the project's one KV-size formula):
+        2 * layers * ceil(kv_heads / tp) * head_dim * dtype (KV heads fewer than tp are replicated)."""
+        return 2 * self.num_layers * -(-self.num_kv_heads // tp) * self.head_dim * self.dtype_bytes
 
     @property
     def layer_params(self) -> int:
@@ -248,6 +253,58 @@ LINKS: dict[str, LinkSpec] = {
 # ----------------------------------------------------------------------------------------------
 
 MIB = 1 << 20
+_NON_NEGATIVE = (
+    "compute_half_tokens",
+    "memory_half_bytes",
+    "step_overhead_s",
+    "per_layer_overhead_s",
+    "kernel_latency_s",
+    "host_overhead_per_seq_s",
+    "host_overhead_per_token_s",
+    "host_overhead_tp_s",
+    "l2_cache_bytes",
+)
+
+
+# Element-wise kernel classes with their own fitted memory curve (``HardwareSpec.elementwise_curves``): RMSNorm
+# (``norm``) and LayerNorm, SwiGLU (``activation``) and a plain activation (GELU/ReLU) are different kernels.
+# The KV-cache write has no profile of its own and follows the rotary curve (the same per-token rows of heads).
+ELEMENTWISE_CLASSES = (
+    "embedding",
+    "norm",
+    "layer_norm",
+    "rope",
+    "activation",
+    "activation_ungated",
+    "residual_add",
+)
+
+
+@dataclass(frozen=True)
+class MemoryCurve:
+    """A memory-bound kernel class: ``bytes * max(tokens, sat_tokens) / (tokens * bw * e(bytes)) + latency_s``,
+    ``e(bytes) = eff + l2_eff_gain * L2 / (L2 + bytes)`` with ``L2 = HardwareSpec.l2_cache_bytes``.
+
+    ``eff`` is the fraction of peak DRAM bandwidth reached on large tensors, ``l2_eff_gain`` what tensors that
+    stay in L2 add to it (negative where the kernel is slower there); below ``sat_tokens`` tokens the kernel
+    takes as long as at ``sat_tokens`` (one thread block per token: fewer tokens leave SMs idle);
+    ``latency_s`` is the kernel's fixed time.
+    """
+
+    eff: float
+    sat_tokens: float = 0.0
+    latency_s: float = 0.0
+    l2_eff_gain: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.eff <= 4.0:
+            raise ValueError(f"eff: must be in (0, 4], got {self.eff!r}")
+        if not 0 < self.eff + self.l2_eff_gain <= 8.0:
+            raise ValueError(f"l2_eff_gain: eff + l2_eff_gain must be in (0, 8], got {self.l2_eff_gain!r}")
+        if self.sat_tokens < 0 or self.latency_s < 0:
+            raise ValueError(
+                f"sat_tokens, latency_s: must be >= 0, got {self.sat_tokens!r}, {self.latency_s!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -262,6 +319,12 @@ class HardwareSpec:
     ``attention_eff_ratio`` times the GEMM compute fraction, and read the KV cache at
     ``kv_memory_eff_ratio`` times the streaming bandwidth fraction (1 on GPUs by default; on a CPU the
     paged, scattered KV reads and the weight streams reach very different rates, so it is fitted).
+
+    Fitted GPU presets (``kvbalance calibrate``) add: ``kernel_latency_s``, the fixed time of every GEMM and
+    attention kernel; ``elementwise_curves``, a :class:`MemoryCurve` per element-wise class
+    (``ELEMENTWISE_CLASSES``; a class left out uses the streaming formula above); and the engine's host time
+    per step, ``step_overhead_s + host_overhead_per_seq_s * seqs + host_overhead_per_token_s * tokens``, plus
+    ``host_overhead_tp_s`` when tensor parallel workers must be synchronised.
     """
 
     name: str
@@ -274,8 +337,14 @@ class HardwareSpec:
     memory_half_bytes: float = 1.0 * MIB
     attention_eff_ratio: float = 0.8
     kv_memory_eff_ratio: float = 1.0
-    step_overhead_s: float = 1.0e-3  # scheduling, sampling, launch of one step
+    step_overhead_s: float = 1.0e-3  # scheduling, sampling, launch of one step (host, fixed part)
     per_layer_overhead_s: float = 8.0e-6  # kernel launch gaps per transformer layer
+    kernel_latency_s: float = 0.0  # fixed time of each GEMM / attention kernel
+    host_overhead_per_seq_s: float = 0.0  # host time per sequence in the batch (inputs, sampling, outputs)
+    host_overhead_per_token_s: float = 0.0  # host time per scheduled token
+    host_overhead_tp_s: float = 0.0  # extra host time per step when tp > 1 (worker synchronisation)
+    elementwise_curves: dict[str, MemoryCurve] = field(default_factory=dict, hash=False)
+    l2_cache_bytes: float = 0.0  # last-level cache (datasheet); 0: the curves see no cache term
     tp_link: LinkSpec = field(default_factory=lambda: LINKS["nvlink"])  # intra-node link used by TP
     kind: str = "gpu"  # "gpu" or "cpu"
     source: str = ""
@@ -291,11 +360,31 @@ class HardwareSpec:
             raise ValueError(
                 f"kv_memory_eff_ratio: must be in (0, 10], got {self.kv_memory_eff_ratio!r} (hardware {self.name!r})"
             )
-        for f in ("compute_half_tokens", "memory_half_bytes", "step_overhead_s", "per_layer_overhead_s"):
+        for f in _NON_NEGATIVE:
             if getattr(self, f) < 0:
                 raise ValueError(f"{f}: must be >= 0, got {getattr(self, f)!r} (hardware {self.name!r})")
         if self.kind not in ("gpu", "cpu"):
             raise ValueError(f"kind: must be 'gpu' or 'cpu', got {self.kind!r} (hardware {self.name!r})")
+        for cls, curve in self.elementwise_curves.items():
+            if cls not in ELEMENTWISE_CLASSES:
+                raise ValueError(
+                    f"elementwise_curves: unknown class {cls!r} (known: {', '.join(ELEMENTWISE_CLASSES)}) "
+                    f"(hardware {self.name!r})"
+                )
+            if not isinstance(curve, MemoryCurve):
+                raise ValueError(
+                    f"elementwise_curves: {cls!r} must be a MemoryCurve (hardware {self.name!r})"
+                )
+
+    def host_overhead_s(self, num_seqs: int, num_tokens: int, tp: int = 1) -> float:
+        """Engine host time of one step over ``num_seqs`` sequences and ``num_tokens`` tokens."""
+        extra = self.host_overhead_tp_s if tp > 1 else 0.0
+        return (
+            self.step_overhead_s
+            + extra
+            + self.host_overhead_per_seq_s * num_seqs
+            + self.host_overhead_per_token_s * num_tokens
+        )
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -328,6 +417,18 @@ class HardwareSpec:
             d["tp_link"] = LinkSpec(**link)
         if "mem_capacity_bytes" in d:
             d["mem_capacity_bytes"] = int(d["mem_capacity_bytes"])
+        curves = d.get("elementwise_curves")
+        if curves is not None:
+            if not isinstance(curves, dict):
+                raise ValueError(f"elementwise_curves: expected a mapping, got {type(curves).__name__}")
+            try:
+                d["elementwise_curves"] = {
+                    k: v if isinstance(v, MemoryCurve) else MemoryCurve(**v) for k, v in curves.items()
+                }
+            except TypeError as e:
+                raise ValueError(
+                    f"elementwise_curves: {e} (fields: eff, sat_tokens, latency_s, l2_eff_gain)"
+                ) from None
         try:
             return cls(**d)
         except TypeError as e:  # a required field is missing
@@ -375,31 +476,87 @@ def _gpu(name: str, peak: float, bw: float, cap_mib: int, link: str, source: str
 
 
 _EFF_NOTE = (
-    " Efficiency defaults (all GPUs): GEMMs saturate at 55% of peak with half efficiency at M=16 tokens --"
-    " cuBLAS microbenchmarks on large square shapes reach 70-80%, but end-to-end prefill in serving engines"
-    " (power-capped clocks, skinny TP-sharded shapes, epilogues) lands nearer 50-60%; memory-bound kernels"
-    " reach 90% of peak HBM bandwidth (STREAM-like copy benchmarks: 85-92%). Attention reaches 0.8x the"
-    " GEMM fraction (FlashAttention-2 forward, causal, head dim 128). Overheads: 1 ms per step, 8 us per"
-    " layer (CUDA-graph launch gaps). Estimates, not fits: refine with kvbalance.perf.calibrate."
+    " Efficiency defaults (no fit): GEMMs saturate at 55% of peak with half efficiency at M=16 tokens,"
+    " memory-bound kernels at 90% of peak bandwidth, attention at 0.8x the GEMM fraction; 1 ms per step,"
+    " 8 us per layer. Estimates, not fits."
+)
+# Fitted presets written by ``kvbalance calibrate`` (package data): efficiency curves, kernel latency, host
+# overhead and TP link fitted on measured profiles; the datasheet peaks stay as given.
+FITS_DIR = Path(__file__).resolve().parent / "perf" / "fits"
+# What a fit transfers to another GPU: everything except peaks, bandwidth, capacity, L2, link, name, source.
+FITTED_FIELDS = (
+    "compute_eff_max",
+    "compute_half_tokens",
+    "memory_eff_max",
+    "memory_half_bytes",
+    "attention_eff_ratio",
+    "kv_memory_eff_ratio",
+    "step_overhead_s",
+    "per_layer_overhead_s",
+    "kernel_latency_s",
+    "host_overhead_per_seq_s",
+    "host_overhead_per_token_s",
+    "host_overhead_tp_s",
+    "elementwise_curves",
 )
 
-GPUS: dict[str, HardwareSpec] = {
+
+def _fit(name: str) -> HardwareSpec | None:
+    path = FITS_DIR / f"{name}.json"
+    return load_hardware(path) if path.is_file() else None
+
+
+def _borrow(datasheet: HardwareSpec, fit: HardwareSpec | None, why: str, link: bool = False) -> HardwareSpec:
+    """``datasheet``'s peaks with ``fit``'s efficiency curves and overheads (and its TP link if ``link``)."""
+    if fit is None:
+        return datasheet.with_(source=datasheet.source + _EFF_NOTE)
+    extra = {"tp_link": fit.tp_link} if link else {}
+    fitted = {f: getattr(fit, f) for f in FITTED_FIELDS}
+    return datasheet.with_(**fitted, **extra, source=f"{datasheet.source} {why} Fit: {fit.source}")
+
+
+_DATASHEETS = {
     g.name: g
     for g in [
-        # NVIDIA A100 datasheet: 312 TFLOPS fp16/bf16 tensor dense; 1,555 GB/s (40GB), 2,039 GB/s (80GB SXM).
-        # Capacity: nvidia-smi total (40960 / 81920 MiB).
-        _gpu("a100-40gb", 312e12, 1555e9, 40960, "nvlink", "NVIDIA A100 datasheet (SXM4 40GB)." + _EFF_NOTE),
-        _gpu("a100-80gb", 312e12, 2039e9, 81920, "nvlink", "NVIDIA A100 datasheet (SXM4 80GB)." + _EFF_NOTE),
+        # NVIDIA A100 datasheet: 312 TFLOPS fp16/bf16 tensor dense; 1,555 GB/s (40GB), 2,039 GB/s (80GB SXM);
+        # 40 MB L2. Capacity: nvidia-smi total (40960 / 81920 MiB).
+        _gpu("a100-40gb", 312e12, 1555e9, 40960, "nvlink", "NVIDIA A100 datasheet (SXM4 40GB).", l2_cache_bytes=40e6),
+        _gpu("a100-80gb", 312e12, 2039e9, 81920, "nvlink", "NVIDIA A100 datasheet (SXM4 80GB).", l2_cache_bytes=40e6),
         # NVIDIA H100 datasheet, SXM5: 989 TFLOPS bf16 dense (1,979 with sparsity), 3.35 TB/s, 80GB
-        # (nvidia-smi: 81559 MiB).
-        _gpu("h100-sxm", 989e12, 3.35e12, 81559, "nvlink4", "NVIDIA H100 datasheet (SXM5)." + _EFF_NOTE),
-        # NVIDIA H200 datasheet: 989 TFLOPS bf16 dense, 4.8 TB/s HBM3e, 141GB (nvidia-smi: 143771 MiB).
-        _gpu("h200", 989e12, 4.8e12, 143771, "nvlink4", "NVIDIA H200 datasheet (SXM)." + _EFF_NOTE),
+        # (nvidia-smi: 81559 MiB); 50 MB L2.
+        _gpu("h100-sxm", 989e12, 3.35e12, 81559, "nvlink4", "NVIDIA H100 datasheet (SXM5).", l2_cache_bytes=50e6),
+        # NVIDIA H200 datasheet: 989 TFLOPS bf16 dense, 4.8 TB/s HBM3e, 141GB (nvidia-smi: 143771 MiB); the
+        # H100's GH100 die (50 MB L2).
+        _gpu("h200", 989e12, 4.8e12, 143771, "nvlink4", "NVIDIA H200 datasheet (SXM).", l2_cache_bytes=50e6),
         # NVIDIA L40S datasheet: 362 TFLOPS fp16/bf16 tensor dense (733 with sparsity), 864 GB/s GDDR6,
-        # 48GB (nvidia-smi: 46068 MiB with ECC); PCIe 4.0 x16, no NVLink.
-        _gpu("l40s", 362e12, 864e9, 46068, "pcie4", "NVIDIA L40S datasheet." + _EFF_NOTE),
+        # 48GB (nvidia-smi: 46068 MiB with ECC), 96 MB L2; PCIe 4.0 x16, no NVLink.
+        _gpu("l40s", 362e12, 864e9, 46068, "pcie4", "NVIDIA L40S datasheet.", l2_cache_bytes=96e6),
+        # NVIDIA A40 datasheet: 149.7 TFLOPS fp16 tensor dense (299.4 with sparsity), 696 GB/s GDDR6, 48GB
+        # (nvidia-smi: 46068 MiB with ECC), 6 MB L2 (GA102); PCIe 4.0 x16 (NVLink bridge pairs only).
+        _gpu("a40", 149.7e12, 696e9, 46068, "pcie4", "NVIDIA A40 datasheet.", l2_cache_bytes=6e6),
     ]
-}
+}  # fmt: skip
+
+
+def _presets() -> dict[str, HardwareSpec]:
+    d, h100, a40 = _DATASHEETS, _fit("h100-sxm"), _fit("a40")
+    ampere = (
+        "Efficiency curves and overheads borrowed from the A40 fit (the closest fitted architecture: Ampere;"
+        " risk: A100's HBM2e and 40 MB L2 and L40S's Ada SMs differ from the A40's GDDR6 and 6 MB L2, so the"
+        " memory-bound fractions and GEMM half-size may be off by tens of percent)."
+    )
+    hopper = "Efficiency curves, overheads and TP link from the H100 fit (same GH100 die; bandwidth, capacity own)."
+    return {
+        "a100-40gb": _borrow(d["a100-40gb"], a40, ampere),
+        "a100-80gb": _borrow(d["a100-80gb"], a40, ampere),
+        "h100-sxm": _borrow(d["h100-sxm"], h100, "Fitted on H100 measurements.", link=True),
+        "h200": _borrow(d["h200"], h100, hopper, link=True),
+        "l40s": _borrow(d["l40s"], a40, ampere.replace("A40 fit (", "A40 fit (for Ada: ")),
+        "a40": _borrow(d["a40"], a40, "Fitted on A40 measurements."),
+    }
+
+
+GPUS: dict[str, HardwareSpec] = _presets()
 
 _GPU_ALIASES = {
     "h100": "h100-sxm",

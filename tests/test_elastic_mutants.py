@@ -1,85 +1,16 @@
-"""Elastic KV reserve: the reserve formulas on a toy shape (hand-computed bytes) and lend / reclaim pinned
-exactly on a stub scheduler (counters, switch times, admission, what is drained)."""
+"""Elastic KV reserve: config checks and switch times, and lend / reclaim pinned exactly on a stub scheduler
+(counters, admission, what is drained, the static mode's activation-memory check)."""
 
 from __future__ import annotations
 
 import pytest
 from conftest import make_request
 
-from kvbalance.kvcache import elastic_reserve as er
 from kvbalance.kvcache.blocks import BlockPool, ElasticBlockPool
 from kvbalance.kvcache.elastic import GIB, ElasticConfig, ElasticReserve
 from kvbalance.kvcache.prefix import RadixCache, prefix_block_hashes
-
-# L = 2 layers, h = 8, H = 4 query heads, K = 2 KV heads, d = 2, I = 16, V = 10, e = 2 bytes
-TOY = dict(
-    num_layers=2, hidden_size=8, num_heads=4, num_kv_heads=2, head_dim=2, intermediate_size=16, vocab_size=10
-)
-
-
-def test_activation_reserve_is_resident_plus_the_largest_phase():
-    # C = 5: resident 2*5*8*2 = 160; attn 5*2*((4+4)*2 + (4+2)*2 + 4*2 + 8) = 440;
-    # mlp 5*2*(32 + 16 + 8) = 560; sampler 5*10*(2 + 8) = 500 -> 160 + 560
-    assert er.activation_reserve_bytes(chunk_size=5, **TOY) == 720
-    assert er.activation_reserve_bytes(chunk_size=5, num_sampled_tokens=1, **TOY) == 720
-    # a big vocabulary makes the sampler's logits the peak: 5 * 100 * 10 = 5000
-    assert er.activation_reserve_bytes(chunk_size=5, **{**TOY, "vocab_size": 100}) == 160 + 5000
-    assert (
-        er.activation_reserve_bytes(chunk_size=5, num_sampled_tokens=2, **{**TOY, "vocab_size": 100}) == 2160
-    )
-    # tp = 2: heads 2 / 1, I 8: attn 10*(8 + 6 + 4 + 8) = 260, mlp 10*(16 + 8 + 8) = 320
-    assert er.activation_reserve_bytes(chunk_size=5, tp=2, num_sampled_tokens=1, **TOY) == 160 + 320
-    # tp = 4: KV heads round up (replicated): attn 10*(6 + 4 + 2 + 8) = 200, mlp 10*(8 + 4 + 8) = 200
-    assert er.activation_reserve_bytes(chunk_size=5, tp=4, num_sampled_tokens=1, **TOY) == 160 + 200
-    assert er.activation_reserve_bytes(chunk_size=5, num_sampled_tokens=0, **TOY) == 720
-    with pytest.raises(ValueError, match="chunk_size must be a positive integer"):
-        er.activation_reserve_bytes(chunk_size=0, **TOY)
-    with pytest.raises(ValueError, match="num_sampled_tokens must be non-negative"):
-        er.activation_reserve_bytes(chunk_size=5, num_sampled_tokens=-1, **TOY)
-    with pytest.raises(ValueError, match="tp must be a positive integer"):
-        er.activation_reserve_bytes(chunk_size=5, tp=0, **TOY)
-
-
-def test_kv_bytes_pool_share_and_lendable_tokens():
-    assert er.kv_bytes_per_token(**TOY) == 2 * 2 * 2 * 2 * 2 == 32
-    assert er.kv_bytes_per_token(tp=2, **TOY) == 16 and er.kv_bytes_per_token(tp=4, **TOY) == 16
-    assert er.kv_pool_bytes(1000, 300, 100, 0.9, 50) == 900 - 300 - 100 - 50
-    assert er.kv_pool_bytes(1000, 0, 0, 1.0) == 1000
-    assert er.reserve_share_of_kv(1000, 300, 100, 0.9, 50) == 100 / (100 + 450)
-    assert er.lendable_kv_tokens(100, **TOY) == 3 and er.lendable_kv_tokens(0, **TOY) == 0
-    with pytest.raises(ValueError, match="no memory left for the KV pool"):
-        er.kv_pool_bytes(1000, 800, 100)
-    with pytest.raises(ValueError, match="gpu_memory_bytes must be positive"):
-        er.kv_pool_bytes(0, 0, 0)
-    with pytest.raises(ValueError, match="gpu_memory_utilization must lie in"):
-        er.kv_pool_bytes(1000, 0, 0, 1.5)
-    for i, name in enumerate(("weight_bytes", "reserve_bytes", "other_bytes")):
-        args = [0, 0, 0]
-        args[i] = -1
-        with pytest.raises(ValueError, match=f"^{name} must be non-negative"):
-            er.kv_pool_bytes(1000, args[0], args[1], 0.9, args[2])
-    with pytest.raises(ValueError, match="reserve_bytes must be non-negative"):
-        er.lendable_kv_tokens(-1, **TOY)
-
-
-def test_model_shape_reads_objects_dicts_and_aliases():
-    s = er.model_shape(TOY)
-    assert (s.num_layers, s.hidden_size, s.vocab_size, s.dtype_bytes) == (2, 8, 10, 2)
-    assert er.model_shape(s) == s  # any object with the attribute names
-    aliased = er.model_shape(
-        None, num_layers=2, hidden=8, num_heads=4, num_kv_heads=2, head_dim=2, intermediate=16, vocab=10
-    )
-    assert aliased == s
-    assert er.model_shape(TOY, hidden_size=16, dtype_bytes=4).hidden_size == 16  # keywords win
-    assert er.model_shape(TOY, dtype_bytes=4).dtype_bytes == 4
-    with pytest.raises(ValueError, match="model shape is missing 'vocab_size'"):
-        er.model_shape({k: v for k, v in TOY.items() if k != "vocab_size"})
-    with pytest.raises(ValueError, match="head_dim must be a positive integer, got 0"):
-        er.model_shape(TOY, head_dim=0)
-    with pytest.raises(ValueError, match="head_dim must be a positive integer"):
-        er.model_shape(TOY, head_dim=2.5)
-    with pytest.raises(TypeError, match=r"unknown model shape fields: \['layers'\]"):
-        er.model_shape(TOY, layers=3)
+from kvbalance.perf import memory
+from kvbalance.specs import get_model
 
 
 def test_elastic_config_sizes_switch_times_and_validation():
@@ -108,14 +39,18 @@ def test_elastic_config_sizes_switch_times_and_validation():
 
 
 def test_config_for_a_model_lends_what_a_decode_step_does_not_need():
-    cfg = ElasticConfig.for_model(TOY, chunk_size=50, block_size=1, max_num_seqs=5, mode="static")
-    reserve = er.activation_reserve_bytes(chunk_size=50, **TOY)
-    keep = er.activation_reserve_bytes(chunk_size=5, **TOY)
-    assert (cfg.reserve_bytes, cfg.block_bytes, cfg.mode) == (reserve, 32, "static")
-    assert cfg.reserve_blocks == (reserve - keep) // 32
-    assert cfg.activation_bytes(5) == keep and cfg.activation_bytes(0) == er.activation_reserve_bytes(
-        chunk_size=1, **TOY
+    m = get_model("llama-2-7b")
+    cfg = ElasticConfig.for_model(m, chunk_size=2048, block_size=16, max_num_seqs=64, mode="static")
+    reserve = memory.activation_reserve_bytes(m, 2048, 1)
+    keep = memory.activation_reserve_bytes(m, 64, 1)
+    assert (cfg.reserve_bytes, cfg.block_bytes, cfg.mode) == (
+        reserve,
+        16 * memory.kv_bytes_per_token(m),
+        "static",
     )
+    assert cfg.reserve_blocks == (reserve - keep) // cfg.block_bytes > 0
+    assert cfg.activation_bytes(64) == keep
+    assert cfg.activation_bytes(0) == memory.activation_reserve_bytes(m, 1, 1)  # at least one token
 
 
 class StubScheduler:

@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from kvbalance.kvcache.elastic_reserve import (
+from kvbalance.perf.memory import (
     activation_reserve_bytes,
     kv_bytes_per_token,
     kv_pool_bytes,
     lendable_kv_tokens,
-    model_shape,
     reserve_share_of_kv,
 )
+from kvbalance.specs import ModelSpec, get_model
 from kvbalance.theory import (
     CapacityReport,
-    Empirical,
-    UniformInt,
     area_stats,
     batch_time_estimate,
     capacity_report,
@@ -30,6 +27,8 @@ from kvbalance.theory import (
     stability_verdict,
     stable_service_rate,
 )
+from kvbalance.workloads.lengths import Empirical
+from kvbalance.workloads.lengths import Uniform as UniformInt
 
 
 def brute_force_area(s: int, o: int, chunk: int) -> int:
@@ -84,12 +83,12 @@ def test_area_rejects_bad_lengths():
 
 
 def test_expected_area_exact_matches_brute_force_over_small_product():
-    s_dist, o_dist = UniformInt(3, 9), UniformInt(0, 5)
-    brute = np.mean([brute_force_area(s, o, 4) for s in range(3, 10) for o in range(0, 6)])
+    s_dist, o_dist = UniformInt(3, 9), UniformInt(1, 5)
+    brute = np.mean([brute_force_area(s, o, 4) for s in range(3, 10) for o in range(1, 6)])
     assert expected_area(s_dist, o_dist, 4) == pytest.approx(brute, rel=1e-12)
     # the same distributions as (values, probs) tuples and as sample arrays
     as_tuple = (np.arange(3, 10), np.full(7, 1 / 7))
-    assert expected_area(as_tuple, np.arange(0, 6), 4) == pytest.approx(brute, rel=1e-12)
+    assert expected_area(as_tuple, np.arange(1, 6), 4) == pytest.approx(brute, rel=1e-12)
 
 
 def test_expected_area_uniform_exact_agrees_with_monte_carlo_within_1pct():
@@ -216,37 +215,40 @@ QWEN25_7B = dict(
 )
 
 
+QWEN = ModelSpec(name="qwen-shape", max_context=32768, **QWEN25_7B)
+
+
 def test_reserve_is_several_gb_at_32k_chunk_and_shrinks_with_tp():
-    r1 = activation_reserve_bytes(chunk_size=32768, tp=1, **QWEN25_7B)
-    r4 = activation_reserve_bytes(chunk_size=32768, tp=4, **QWEN25_7B)
+    r1 = activation_reserve_bytes(QWEN, chunk_size=32768, tp=1)
+    r4 = activation_reserve_bytes(QWEN, chunk_size=32768, tp=4)
     assert 3e9 < r1 < 8e9
     # the replicated residual stream keeps it from dividing by exactly tp
     assert 2.0 < r1 / r4 <= 4.0
 
 
-def test_reserve_accepts_a_model_object_and_grows_with_chunk():
-    spec = SimpleNamespace(**QWEN25_7B)
-    assert activation_reserve_bytes(spec, 8192) == activation_reserve_bytes(chunk_size=8192, **QWEN25_7B)
-    short = dict(QWEN25_7B, hidden=QWEN25_7B["hidden_size"])
-    del short["hidden_size"]
-    assert model_shape(**short).hidden_size == 3584
-    sizes = [activation_reserve_bytes(spec, c) for c in (2048, 8192, 32768)]
-    assert sizes == sorted(sizes)
-    with pytest.raises(ValueError, match="intermediate_size"):
-        activation_reserve_bytes(
-            SimpleNamespace(**{k: v for k, v in QWEN25_7B.items() if k != "intermediate_size"})
-        )
+def test_reserve_closed_form_and_growth_with_chunk():
+    c, e, h, d = 1024, 2, 3584, 128
+    attn = c * e * ((28 + 2 * 4) * d + (28 + 4) * d + 28 * d + h)
+    mlp = c * e * (3 * 18944 + h)
+    sampler = 256 * 152064 * (e + 8)
+    assert activation_reserve_bytes(QWEN, c) == 2 * c * h * e + max(attn, mlp, sampler)
+    assert activation_reserve_bytes(QWEN, 8192) == activation_reserve_bytes(get_model("qwen2.5-7b"), 8192)
+    sizes = [activation_reserve_bytes(QWEN, c) for c in (2048, 8192, 32768)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[1] < sizes[2]
+    with pytest.raises(ValueError, match="chunk_size"):
+        activation_reserve_bytes(QWEN, 0)
 
 
 def test_reserve_share_of_kv_and_lendable_tokens():
     gib = 1024**3
-    reserve = activation_reserve_bytes(chunk_size=32768, **QWEN25_7B)
+    reserve = activation_reserve_bytes(QWEN, chunk_size=32768)
     pool = kv_pool_bytes(80 * gib, 15 * gib, reserve, 0.9)
     assert pool == int(0.9 * 80 * gib) - 15 * gib - reserve
     share = reserve_share_of_kv(80 * gib, 15 * gib, reserve, 0.9)
     assert share == pytest.approx(reserve / (0.9 * 80 * gib - 15 * gib))
     assert 0.05 < share < 0.15
-    assert kv_bytes_per_token(**QWEN25_7B) == 2 * 28 * 4 * 128 * 2
-    assert lendable_kv_tokens(reserve, **QWEN25_7B) == reserve // (2 * 28 * 4 * 128 * 2)
+    assert kv_bytes_per_token(QWEN) == 2 * 28 * 4 * 128 * 2
+    assert kv_bytes_per_token(QWEN, tp=8) == 2 * 28 * 1 * 128 * 2  # 4 KV heads replicated over 8 ranks
+    assert lendable_kv_tokens(reserve, QWEN) == reserve // (2 * 28 * 4 * 128 * 2)
     with pytest.raises(ValueError, match="no memory left"):
         kv_pool_bytes(16 * gib, 15 * gib, reserve, 0.9)

@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 
 from kvbalance.theory import (
-    Empirical,
-    UniformInt,
     area_stats,
     batch_time_estimate,
     capacity_report,
@@ -25,6 +23,12 @@ from kvbalance.theory import (
     stability_verdict,
     stable_service_rate,
 )
+
+
+def UniformInt(lo: int, hi: int) -> tuple[list[int], list[float]]:
+    """A discrete uniform on lo..hi as the (values, probs) pair the theory functions accept."""
+    n = hi - lo + 1
+    return list(range(lo, hi + 1)), [1 / n] * n
 
 
 def test_prefill_area_sums_the_growing_context_chunk_by_chunk():
@@ -68,20 +72,12 @@ def test_expected_area_of_point_masses_and_uniforms_is_exact():
     assert (s.mean_input_tokens, s.mean_output_tokens, s.max_total_tokens, s.exact) == (3.0, 1.0, 6, True)
 
 
-def test_empirical_and_paired_lengths():
-    e = Empirical([3, 3, 5])
-    assert e.values.tolist() == [3, 5] and e.probs.tolist() == pytest.approx([2 / 3, 1 / 3])
-    assert e.mean() == pytest.approx(11 / 3)
+def test_observed_and_paired_lengths():
     assert expected_area([3, 3, 5], 1, 4) == pytest.approx((2 * (3 + 4) + (9 + 6)) / 3)
     s = area_stats([10, 2], [3, 1], 4, paired=True)
     assert s.expected_area == (58 + (2 + 3)) / 2 and s.max_total_tokens == 13 and s.exact
     with pytest.raises(ValueError, match="paired"):
         area_stats([1, 2], [1], 4, paired=True)
-    with pytest.raises(ValueError, match="Empirical needs at least one sample"):
-        Empirical([])
-    with pytest.raises(ValueError, match="UniformInt needs 0 <= lo <= hi"):
-        UniformInt(5, 4)
-    assert UniformInt(3, 3).mean() == 3.0 and UniformInt(2, 5).probs.tolist() == [0.25] * 4
 
 
 def test_monte_carlo_area_is_seeded_and_close_to_exact():

@@ -114,7 +114,7 @@ def _config(args, **overrides):
 
 def capacity(args) -> dict[str, Any]:
     """Everything ``kvbalance capacity`` reports, as a JSON-ready dict."""
-    from kvbalance.sim.run import build_instance
+    from kvbalance.sim.run import build_sim_instance
     from kvbalance.theory.measure import measure_saturation, throughput_bounds, workload_area
     from kvbalance.theory.stability import (
         instances_needed,
@@ -127,7 +127,7 @@ def capacity(args) -> dict[str, Any]:
     rate = _parse_rate(str(args.rate))
     _check_args(args)
     cfg = _config(args, rate=math.inf, num_requests=args.b_requests)
-    inst, _ = build_instance(cfg)
+    inst, _ = build_sim_instance(cfg)
     m = inst.kv_capacity_tokens  # whole blocks, as the simulator allocates them
     max_context = inst.max_context
     area = workload_area(args.workload, args.chunk_size, max_context)

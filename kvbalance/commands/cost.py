@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from kvbalance.perf.cost import step_cost_report
+    from kvbalance.perf.report import step_cost_report
 
     if not args.prefill_tokens and not args.decode_batch:
         args.prefill_tokens = 1024

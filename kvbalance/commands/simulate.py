@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from kvbalance.commands._util import fail, parse_rate
+from kvbalance.scheduler import POLICIES
 
 DEFAULT_OUT = "runs/simulate"
 
@@ -21,7 +22,13 @@ def add_parser(sub) -> None:
     p.add_argument("--num-requests", type=int)
     p.add_argument("--arrival", choices=["poisson", "gamma", "constant"])
     p.add_argument("--cv", type=float, help="coefficient of variation of gamma arrivals")
-    p.add_argument("--policy", choices=["sarathi", "vllm"])
+    p.add_argument("--policy", choices=POLICIES.names(), help="scheduling policy")
+    p.add_argument(
+        "--elastic",
+        choices=["off", "elastic", "static"],
+        help="elastic KV reserve: lend the prefill activation reserve during decode-only periods (elastic), "
+        "keep it in the pool for good (static), or leave it out (off, default)",
+    )
     p.add_argument("--chunk-size", type=int)
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--block-size", type=int)
@@ -68,6 +75,7 @@ def run(args) -> int:
         "arrival",
         "cv",
         "policy",
+        "elastic",
         "chunk_size",
         "max_num_seqs",
         "block_size",

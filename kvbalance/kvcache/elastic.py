@@ -1,7 +1,7 @@
 """Elastic KV reserve (Elastic KV Cache paper): lend the prefill activation reserve to the KV pool while only
 decodes run, and reclaim it before a prefill needs it; plus the static overcommit it is compared with.
 
-An engine sets aside activation memory for its largest prefill chunk (``elastic_reserve.py`` sizes it).
+An engine sets aside activation memory for its largest prefill chunk (``perf/memory.py`` sizes it).
 While every running request decodes, a step needs only a decode batch's activations, so the rest of the
 reserve — ``reserve_blocks`` KV blocks, the region ``[base, base + E)`` of an :class:`ElasticBlockPool` —
 can hold KV. :class:`ElasticReserve` decides, before each step:
@@ -32,9 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kvbalance.kvcache import elastic_reserve as er
 from kvbalance.kvcache.blocks import BlockPool, ElasticBlockPool
 from kvbalance.kvcache.prefix import RadixCache
+from kvbalance.perf import memory
+from kvbalance.specs import ModelSpec
 
 GIB = 1 << 30
 OOM = "oom"
@@ -101,24 +102,23 @@ class ElasticConfig:
         mode: Literal["elastic", "static"] = "elastic",
         **kwargs,
     ) -> ElasticConfig:
-        """The reserve of ``chunk_size``-token prefills (``elastic_reserve`` formulas); what a decode-only
+        """The reserve of ``chunk_size``-token prefills (``perf/memory.py`` formulas); what a decode-only
         step of up to ``max_num_seqs`` tokens needs stays reserved, the rest becomes lendable blocks."""
-        shape = er.model_shape(model)
-        reserve = er.activation_reserve_bytes(shape, chunk_size, tp)
-        keep = er.activation_reserve_bytes(shape, min(max_num_seqs, chunk_size), tp)
-        block_bytes = er.kv_bytes_per_token(shape, tp) * block_size
+        reserve = memory.activation_reserve_bytes(model, chunk_size, tp)
+        keep = memory.activation_reserve_bytes(model, min(max_num_seqs, chunk_size), tp)
+        block_bytes = memory.kv_bytes_per_token(model, tp) * block_size
         return cls(
             reserve_blocks=max(0, reserve - keep) // block_bytes,
             block_bytes=block_bytes,
             mode=mode,
             reserve_bytes=reserve,
-            activation_bytes=functools.partial(_step_activation_bytes, shape, tp),
+            activation_bytes=functools.partial(_step_activation_bytes, model, tp),
             **kwargs,
         )
 
 
-def _step_activation_bytes(shape: er.ModelShape, tp: int, num_tokens: int) -> int:
-    return er.activation_reserve_bytes(shape, max(int(num_tokens), 1), tp)
+def _step_activation_bytes(model: ModelSpec, tp: int, num_tokens: int) -> int:
+    return memory.activation_reserve_bytes(model, max(int(num_tokens), 1), tp)
 
 
 def evict_cached_blocks(cache: RadixCache, block_ids: Sequence[int]) -> int:

@@ -5,13 +5,12 @@ from kvbalance.perf.cost import (
     CostModel,
     OpCount,
     OpTime,
-    activation_reserve_bytes,
     allreduce_time,
     breakdown_total_s,
-    kv_capacity_tokens,
-    step_cost_report,
     transfer_time,
 )
+from kvbalance.perf.memory import activation_reserve_bytes, kv_bytes_per_token, kv_capacity_tokens
+from kvbalance.perf.report import step_cost_report
 
 __all__ = [
     "CalibrationResult",
@@ -23,6 +22,7 @@ __all__ = [
     "breakdown_total_s",
     "cpu_base_spec",
     "fit_hardware",
+    "kv_bytes_per_token",
     "kv_capacity_tokens",
     "predict_samples",
     "step_cost_report",

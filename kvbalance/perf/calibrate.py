@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbalance.perf.cost import ATTENTION, OP_NAMES, CostModel, SeqWork
+from kvbalance.perf.cost import ATTENTION, OP_NAMES, CostModel, SeqWork, curve_eff
 from kvbalance.specs import HardwareSpec, ModelSpec, get_link, get_model
 
 # (seqs of the step, measured seconds)
@@ -73,7 +73,9 @@ def cpu_base_spec(
 
 
 class _Features:
-    """Per-sample, per-operator FLOPs, bytes, sizes and repeats: everything that does not depend on the fit."""
+    """Per-sample, per-operator FLOPs, bytes, sizes and repeats: everything that does not depend on the fit.
+
+    :meth:`predict` is the vectorised form of :meth:`CostModel.step_seconds` (a test holds them equal)."""
 
     def __init__(self, cm: CostModel, samples: Sequence[ProfileSample]) -> None:
         n, k = len(samples), len(OP_NAMES)
@@ -83,7 +85,10 @@ class _Features:
         self.size = np.ones((n, k))
         self.repeat = np.zeros((n, k))
         self.comm = np.zeros(n)
+        self.num_seqs = np.array([len(seqs) for seqs, _ in samples], dtype=float)
+        self.num_tokens = np.array([sum(s[0] for s in seqs) for seqs, _ in samples], dtype=float)
         self.attention = np.array([name.startswith("attn") for name in OP_NAMES])
+        self.curve = [""] * k
         for i, (seqs, _) in enumerate(samples):
             ops = cm.op_counts(seqs)
             for op in ops:
@@ -93,25 +98,42 @@ class _Features:
                 self.bytes[i, j] = op.bytes
                 self.size[i, j] = max(op.size_tokens, 1.0)
                 self.repeat[i, j] = op.repeat
+                self.curve[j] = op.curve
             self.comm[i] = cm.comm_s(sum(s[0] for s in seqs))
         self.has_bytes = self.bytes > 0
         self.num_layers = cm.model.num_layers
+        self.tp = cm.tp
 
     def predict(self, hw: HardwareSpec) -> np.ndarray:
         eff_c = hw.compute_eff_max * np.where(self.attention, hw.attention_eff_ratio, 1.0)
         compute = self.flops * (self.size + hw.compute_half_tokens) / (self.size * hw.peak_flops * eff_c)
-        memory = np.where(
-            self.has_bytes,
-            (self.bytes + hw.memory_half_bytes)
-            / (
-                hw.mem_bandwidth_bytes_s
-                * hw.memory_eff_max
-                * np.where(self.attention, hw.kv_memory_eff_ratio, 1.0)
-            ),
-            0.0,
+        streaming = (self.bytes + hw.memory_half_bytes) / (
+            hw.mem_bandwidth_bytes_s
+            * hw.memory_eff_max
+            * np.where(self.attention, hw.kv_memory_eff_ratio, 1.0)
         )
-        ops = (np.maximum(compute, memory) * self.repeat).sum(axis=1)
-        return ops + hw.step_overhead_s + hw.per_layer_overhead_s * self.num_layers + self.comm
+        latency = np.full(len(OP_NAMES), hw.kernel_latency_s)
+        for j, cls in enumerate(self.curve):
+            if not cls:
+                continue
+            c = hw.elementwise_curves.get(cls)
+            latency[j] = c.latency_s if c is not None else 0.0
+            if c is not None:
+                sz = self.size[:, j]
+                streaming[:, j] = (
+                    self.bytes[:, j]
+                    * np.maximum(sz, c.sat_tokens)
+                    / (sz * hw.mem_bandwidth_bytes_s * curve_eff(c, self.bytes[:, j], hw))
+                )
+        memory = np.where(self.has_bytes, streaming, 0.0)
+        ops = ((np.maximum(compute, memory) + latency) * self.repeat).sum(axis=1)
+        host = (
+            hw.step_overhead_s
+            + (hw.host_overhead_tp_s if self.tp > 1 else 0.0)
+            + hw.host_overhead_per_seq_s * self.num_seqs
+            + hw.host_overhead_per_token_s * self.num_tokens
+        )
+        return ops + host + hw.per_layer_overhead_s * self.num_layers + self.comm
 
 
 def predict_samples(

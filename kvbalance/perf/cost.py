@@ -1,107 +1,59 @@
 """Roofline cost model of one serving step: per-operator FLOPs and bytes on a HardwareSpec, plus tensor-parallel
-all-reduce, launch overheads and the LM head for sampling tokens only (DESIGN.md, "The cost model").
+all-reduce, kernel latencies, the engine's host time per step and the LM head for sampling tokens only
+(DESIGN.md, "The cost model").
+
+Per kernel: ``time = max(flops / (peak * eff_c(M)), bytes / (bw * eff_m)) + latency``; GEMMs and attention
+use the compute curve ``eff_c(M) = compute_eff_max * M / (M + compute_half_tokens)``, element-wise kernels
+their class's :class:`~kvbalance.specs.MemoryCurve` where the preset has one (``kvbalance calibrate`` fits
+both on measured operator times).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvbalance.batch import BatchPlan, StepBreakdown
+from kvbalance.perf.kernels import (  # noqa: F401  (re-exported: callers import these from perf.cost)
+    ATTENTION,
+    ELEMENTWISE,
+    ELEMENTWISE_OPS,
+    GEMM,
+    OpCount,
+    OpTime,
+    compute_time_s,
+    curve_eff,
+    elementwise_class,
+    elementwise_counts,
+    gemm_count,
+    kernel_latency_s,
+    memory_time_s,
+    op_time,
+)
+from kvbalance.perf.memory import kv_bytes_per_token, validate_tp
 from kvbalance.specs import HardwareSpec, LinkSpec, ModelSpec, get_gpu, get_link, get_model
 
 # (num_new_tokens, context_len_after_step, samples)
 SeqWork = tuple[int, int, bool]
 
-GEMM, ATTENTION, ELEMENTWISE = "gemm", "attention", "elementwise"
 
 # Per-layer and per-step operator names, in execution order (calibration relies on a fixed order).
 OP_NAMES = (
     "embedding",
     "norm",
     "qkv_proj",
-    "elementwise",
+    "rope",
+    "kv_write",
     "attn_prefill",
     "attn_decode",
     "o_proj",
     "mlp_up",
+    "activation",
     "mlp_down",
+    "residual_add",
     "final_norm",
     "lm_head",
 )
-
-
-@dataclass(frozen=True, slots=True)
-class OpCount:
-    """One operator's work per kernel launch on one GPU, launched ``repeat`` times per step."""
-
-    name: str
-    kind: str  # GEMM, ATTENTION or ELEMENTWISE
-    flops: float
-    bytes: float
-    size_tokens: float  # the M dimension (tokens) that sets the compute efficiency
-    repeat: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class OpTime:
-    """An operator's roofline: totals over its ``repeat`` launches (seconds, per GPU)."""
-
-    name: str
-    kind: str
-    flops: float
-    bytes: float
-    compute_s: float
-    memory_s: float
-
-    @property
-    def time_s(self) -> float:
-        return max(self.compute_s, self.memory_s)
-
-    @property
-    def bound(self) -> str:
-        return "compute" if self.compute_s > self.memory_s else "memory"
-
-    def to_dict(self) -> dict:
-        return {
-            "flops": self.flops,
-            "bytes": self.bytes,
-            "compute_s": self.compute_s,
-            "memory_s": self.memory_s,
-            "time_s": self.time_s,
-            "bound": self.bound,
-        }
-
-
-def compute_time_s(flops: float, size_tokens: float, hw: HardwareSpec, kind: str = GEMM) -> float:
-    """flops / (peak * eff_c(size)), eff_c(x) = eff_max * x / (x + x_half); attention scaled by its ratio."""
-    if flops <= 0:
-        return 0.0
-    eff = hw.compute_eff_max * (hw.attention_eff_ratio if kind == ATTENTION else 1.0)
-    x = max(size_tokens, 1.0)
-    return flops * (x + hw.compute_half_tokens) / (x * hw.peak_flops * eff)
-
-
-def memory_time_s(num_bytes: float, hw: HardwareSpec, kind: str = GEMM) -> float:
-    """bytes / (bw * eff_m(bytes)), eff_m(b) = eff_max * b / (b + b_half); attention's KV reads scaled
-    by ``kv_memory_eff_ratio``."""
-    if num_bytes <= 0:
-        return 0.0
-    eff = hw.memory_eff_max * (hw.kv_memory_eff_ratio if kind == ATTENTION else 1.0)
-    return (num_bytes + hw.memory_half_bytes) / (hw.mem_bandwidth_bytes_s * eff)
-
-
-def op_time(op: OpCount, hw: HardwareSpec) -> OpTime:
-    r = op.repeat
-    return OpTime(
-        name=op.name,
-        kind=op.kind,
-        flops=op.flops * r,
-        bytes=op.bytes * r,
-        compute_s=compute_time_s(op.flops, op.size_tokens, hw, op.kind) * r,
-        memory_s=memory_time_s(op.bytes, hw, op.kind) * r,
-    )
 
 
 def transfer_time(num_bytes: float, link: LinkSpec) -> float:
@@ -125,34 +77,17 @@ def breakdown_total_s(b: StepBreakdown) -> float:
     return b.compute_s + b.memory_s + b.overhead_s + b.comm_s + b.transfer_s
 
 
-def validate_tp(model: ModelSpec, tp: int) -> None:
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ValueError(f"tp: must be a positive integer, got {tp!r}")
-    if model.num_heads % tp:
-        raise ValueError(f"tp: {tp} does not divide num_heads {model.num_heads} of {model.name}")
-    if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        raise ValueError(
-            f"tp: {tp} neither divides nor is a multiple of num_kv_heads {model.num_kv_heads} of {model.name}"
-        )
-    if model.intermediate_size % tp:
-        raise ValueError(
-            f"tp: {tp} does not divide intermediate_size {model.intermediate_size} of {model.name}"
-        )
-
-
 def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
     """KV heads each TP rank stores (replicated when there are fewer KV heads than ranks)."""
     return max(model.num_kv_heads // tp, 1)
-
-
-def kv_bytes_per_token_per_gpu(model: ModelSpec, tp: int = 1) -> int:
-    return 2 * model.num_layers * kv_heads_per_rank(model, tp) * model.head_dim * model.dtype_bytes
 
 
 class CostModel:
     """Predicts a step's duration for ``model`` on ``gpu`` with tensor parallelism ``tp``.
 
     ``link`` is the TP interconnect (defaults to the GPU's ``tp_link``). All FLOPs and bytes are per GPU.
+    ``overhead_s`` is the batch-independent part of a step's overhead (host fixed time and per-layer launch
+    gaps); :meth:`host_overhead_s` adds the parts that grow with the batch.
     """
 
     def __init__(
@@ -176,8 +111,9 @@ class CostModel:
         self._heads_r = m.num_heads // tp
         self._inter_r = m.intermediate_size // tp
         self._vocab_r = math.ceil(m.vocab_size / tp)
+        self._norm_params = m.hidden_size if m.arch == "llama" else 2 * m.hidden_size
         self._kv_token_layer_bytes = 2 * self._kv_r * dt  # K and V of one token in one layer, this rank
-        self.kv_bytes_per_token = kv_bytes_per_token_per_gpu(m, tp)
+        self.kv_bytes_per_token = kv_bytes_per_token(m, tp)
         # GEMM shapes (K, N) per rank, and bias elements added to their weights
         bias_qkv = self._q_r + 2 * self._kv_r if (m.qkv_bias or m.linear_bias) else 0
         bias_o = self._h if m.linear_bias else 0
@@ -189,23 +125,49 @@ class CostModel:
             "mlp_up": (self._h, m.mlp_in_matrices * self._inter_r, bias_up),
             "mlp_down": (self._inter_r, self._h, bias_down),
         }
-        self.overhead_s = self.gpu.step_overhead_s + self.gpu.per_layer_overhead_s * m.num_layers
+        self.overhead_s = self.host_overhead_s(0, 0)
+        self._ew_class = {name: elementwise_class(name, m.arch) for name in ELEMENTWISE_OPS}
+        # per (kind, curve): the kernel latency and the class curve (None: the streaming formula)
+        self._latency = {(k, c): kernel_latency_s(self.gpu, k, c) for k in (GEMM, ATTENTION) for c in ("",)}
+        for c in set(self._ew_class.values()):
+            self._latency[(ELEMENTWISE, c)] = kernel_latency_s(self.gpu, ELEMENTWISE, c)
+
+    def host_overhead_s(self, num_seqs: int, num_tokens: int) -> float:
+        """Overhead of a step over ``num_seqs`` sequences and ``num_tokens`` tokens outside the kernels: the
+        engine's host time (fixed + per sequence + per token, + TP synchronisation) and per-layer launch gaps."""
+        return self.gpu.host_overhead_s(num_seqs, num_tokens, self.tp) + (
+            self.gpu.per_layer_overhead_s * self.model.num_layers
+        )
 
     # -- operator counts -------------------------------------------------------------------------
-    def _gemm(self, name: str, tokens: float, k: int, n: int, bias: int = 0, repeat: int = 1) -> OpCount:
-        dt = self._dt
-        return OpCount(
-            name=name,
-            kind=GEMM,
-            flops=2.0 * tokens * k * n,
-            bytes=dt * (k * n + bias + tokens * (k + n)),
-            size_tokens=tokens,
-            repeat=repeat,
+    def _elementwise(self, tokens: float) -> dict[str, tuple[float, float]]:
+        gated = self.model.arch == "llama"
+        return elementwise_counts(
+            tokens, self._h, self._q_r, self._kv_r, self._inter_r, self._dt, gated, self._norm_params
         )
+
+    def kernel(self, name: str, tokens: float) -> OpCount:
+        """One launch of the weight GEMM or element-wise operator ``name`` over ``tokens`` tokens (what a
+        per-operator profile measures; calibration evaluates the model on exactly these shapes)."""
+        if name in self._gemms:
+            k, n, b = self._gemms[name]
+            return self._gemm(name, float(tokens), k, n, b)
+        if name == "lm_head":
+            return self._gemm(name, float(tokens), self._h, self._vocab_r)
+        if name not in ELEMENTWISE_OPS:
+            known = ", ".join([*self._gemms, "lm_head", *ELEMENTWISE_OPS])
+            raise ValueError(f"op: {name!r} is not a GEMM or element-wise operator (known: {known})")
+        flops, num_bytes = self._elementwise(float(tokens))["norm" if name == "final_norm" else name]
+        return OpCount(
+            name, ELEMENTWISE, flops, num_bytes, float(tokens), 1, elementwise_class(name, self.model.arch)
+        )
+
+    def _gemm(self, name: str, tokens: float, k: int, n: int, bias: int = 0, repeat: int = 1) -> OpCount:
+        return gemm_count(name, tokens, k, n, self._dt, bias, repeat)
 
     def op_counts(self, seqs: Sequence[SeqWork]) -> list[OpCount]:
         """Per-GPU work of every operator for a step over ``seqs`` (in ``OP_NAMES`` order, absent ones left out)."""
-        m, dt, h, L = self.model, self._dt, self._h, self.model.num_layers
+        m, dt, L = self.model, self._dt, self.model.num_layers
         tokens = 0
         sampled = 0
         pre_tokens = 0
@@ -232,54 +194,41 @@ class CostModel:
         if tokens == 0:
             return []
         T = float(tokens)
-        ops: list[OpCount] = []
-        ops.append(OpCount("embedding", ELEMENTWISE, 0.0, 2.0 * T * h * dt, T))
-        norm_params = h if m.arch == "llama" else 2 * h
-        ops.append(OpCount("norm", ELEMENTWISE, 5.0 * T * h, dt * (2 * T * h + norm_params), T, repeat=2 * L))
+        ew = self._elementwise(T)
+
+        classes = self._ew_class
+
+        def elementwise(name: str, repeat: int, counts: str | None = None) -> OpCount:
+            flops, num_bytes = ew[counts or name]
+            return OpCount(name, ELEMENTWISE, flops, num_bytes, T, repeat, classes[name])
+
+        ops = [elementwise("embedding", 1), elementwise("norm", 2 * L)]
         k, n_, b = self._gemms["qkv_proj"]
         ops.append(self._gemm("qkv_proj", T, k, n_, b, repeat=L))
-        # rotary on q and k (llama), KV-cache write, activation (SwiGLU / ReLU), two residual adds
-        q_r, kv_r, i_r = self._q_r, self._kv_r, self._inter_r
-        ew_bytes = 4.0 * T * kv_r + 6.0 * T * h  # KV write (read k, v; write cache) + residual adds
-        ew_flops = 2.0 * T * h
         if m.arch == "llama":
-            ew_bytes += 2.0 * T * (q_r + kv_r) + 3.0 * T * i_r
-            ew_flops += 3.0 * T * (q_r + kv_r) + 5.0 * T * i_r
-        else:
-            ew_bytes += 2.0 * T * i_r
-            ew_flops += T * i_r
-        ops.append(OpCount("elementwise", ELEMENTWISE, ew_flops, ew_bytes * dt, T, repeat=L))
-        hd, heads_r, kvl = m.head_dim, self._heads_r, self._kv_token_layer_bytes
+            ops.append(elementwise("rope", L))
+        ops.append(elementwise("kv_write", L))
+        hd, heads_r, kvl, q_r = m.head_dim, self._heads_r, self._kv_token_layer_bytes, self._q_r
         if pre_tokens:
             # QK^T and PV: 2 * head_dim FLOPs each per (query, key) pair and head; KV of the context read
             # once (tiles of one head stay in L2), q read and output written.
-            ops.append(
-                OpCount(
-                    "attn_prefill",
-                    ATTENTION,
-                    4.0 * hd * heads_r * pre_pairs,
-                    pre_ctx * kvl + 2.0 * pre_tokens * q_r * dt,
-                    pre_tokens,
-                    repeat=L,
-                )
-            )
+            flops = 4.0 * hd * heads_r * pre_pairs
+            num_bytes = pre_ctx * kvl + 2.0 * pre_tokens * q_r * dt
+            ops.append(OpCount("attn_prefill", ATTENTION, flops, num_bytes, pre_tokens, repeat=L))
         if dec_seqs:
-            ops.append(
-                OpCount(
-                    "attn_decode",
-                    ATTENTION,
-                    4.0 * hd * heads_r * dec_ctx,
-                    dec_ctx * kvl + 2.0 * dec_seqs * q_r * dt,
-                    dec_seqs,
-                    repeat=L,
-                )
-            )
-        for name in ("o_proj", "mlp_up", "mlp_down"):
+            flops = 4.0 * hd * heads_r * dec_ctx
+            num_bytes = dec_ctx * kvl + 2.0 * dec_seqs * q_r * dt
+            ops.append(OpCount("attn_decode", ATTENTION, flops, num_bytes, dec_seqs, repeat=L))
+        for name in ("o_proj", "mlp_up", "activation", "mlp_down"):
+            if name == "activation":
+                ops.append(elementwise("activation", L))
+                continue
             k, n_, b = self._gemms[name]
             ops.append(self._gemm(name, T, k, n_, b, repeat=L))
-        ops.append(OpCount("final_norm", ELEMENTWISE, 5.0 * T * h, dt * (2 * T * h + norm_params), T))
+        ops.append(elementwise("residual_add", 2 * L))
+        ops.append(elementwise("final_norm", 1, "norm"))
         if sampled:
-            ops.append(self._gemm("lm_head", float(sampled), h, self._vocab_r))
+            ops.append(self._gemm("lm_head", float(sampled), self._h, self._vocab_r))
         return ops
 
     def comm_s(self, num_tokens: int) -> float:
@@ -295,27 +244,30 @@ class CostModel:
         return {op.name: op_time(op, self.gpu) for op in self.op_counts(seqs)}
 
     def step(self, seqs: Sequence[SeqWork]) -> StepBreakdown:
-        """Breakdown of a step computing ``seqs`` = [(num_new_tokens, context_len_after_step, samples)]."""
+        """Breakdown of a step computing ``seqs`` = [(num_new_tokens, context_len_after_step, samples)].
+
+        Each operator's roofline winner goes to ``compute_s`` or ``memory_s``; kernel latencies and the host
+        overhead (:meth:`host_overhead_s`) to ``overhead_s``; all-reduces to ``comm_s``."""
         ops = self.op_counts(seqs)
         if not ops:
             return StepBreakdown()
-        b = StepBreakdown(overhead_s=self.overhead_s)
         hw = self.gpu
-        tokens = 0
-        for op in ops:
+        tokens = int(ops[0].size_tokens)  # the embedding runs over every token of the step
+        compute_s = memory_s = flops = num_bytes = 0.0
+        overhead_s = self.host_overhead_s(len(seqs), tokens)
+        latency = self._latency
+        for op in ops:  # op_time's arithmetic, inlined: this is the simulator's hot path
             r = op.repeat
             c = compute_time_s(op.flops, op.size_tokens, hw, op.kind)
-            mem = memory_time_s(op.bytes, hw, op.kind)
+            mem = memory_time_s(op.bytes, hw, op.kind, op.size_tokens, op.curve)
             if c > mem:
-                b.compute_s += c * r
+                compute_s += c * r
             else:
-                b.memory_s += mem * r
-            b.flops += op.flops * r
-            b.bytes += op.bytes * r
-            if op.name == "embedding":
-                tokens = int(op.size_tokens)
-        b.comm_s = self.comm_s(tokens)
-        return b
+                memory_s += mem * r
+            overhead_s += latency[op.kind, op.curve] * r
+            flops += op.flops * r
+            num_bytes += op.bytes * r
+        return StepBreakdown(compute_s, memory_s, overhead_s, self.comm_s(tokens), 0.0, flops, num_bytes)
 
     def step_seconds(self, seqs: Sequence[SeqWork]) -> float:
         return breakdown_total_s(self.step(seqs))
@@ -355,104 +307,3 @@ class CostModel:
     def kv_transfer_bytes(self, num_tokens: int) -> int:
         """Bytes of KV this GPU holds for ``num_tokens`` tokens (all layers)."""
         return num_tokens * self.kv_bytes_per_token
-
-
-# -- memory capacity ---------------------------------------------------------------------------------
-
-
-def activation_reserve_bytes(
-    model: ModelSpec | str, tp: int = 1, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256
-) -> int:
-    """Peak activation memory of one forward pass at the token budget (what a serving engine profiles).
-
-    One formula for the whole project: :func:`kvbalance.kvcache.elastic_reserve.activation_reserve_bytes`
-    (one layer's live tensors or the sampler's fp32 logits for up to ``max_num_seqs`` rows, whichever peaks).
-    """
-    from kvbalance.kvcache import elastic_reserve
-
-    m = get_model(model)
-    validate_tp(m, tp)
-    return elastic_reserve.activation_reserve_bytes(
-        m, max_num_batched_tokens, tp, num_sampled_tokens=min(max_num_seqs, max_num_batched_tokens)
-    )
-
-
-def kv_capacity_tokens(
-    model: ModelSpec | str,
-    gpu: HardwareSpec | str,
-    tp: int = 1,
-    gpu_memory_utilization: float = 0.9,
-    activation_reserve_bytes: int | None = None,
-) -> int:
-    """Tokens of KV that fit on each GPU: (capacity * util - weights / tp - reserve) / (kv bytes per token / tp)."""
-    m, g = get_model(model), get_gpu(gpu)
-    validate_tp(m, tp)
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}")
-    reserve = _default_reserve(m, tp) if activation_reserve_bytes is None else activation_reserve_bytes
-    if reserve < 0:
-        raise ValueError(f"activation_reserve_bytes: must be >= 0, got {reserve}")
-    budget = g.mem_capacity_bytes * gpu_memory_utilization
-    weights = m.weight_bytes / tp
-    free = budget - weights - reserve
-    if free <= 0:
-        gib = 1 << 30
-        raise ValueError(
-            f"tp: {m.name} needs {weights / gib:.1f} GiB of weights per GPU at tp={tp} plus "
-            f"{reserve / gib:.1f} GiB activation reserve, but {g.name} offers {budget / gib:.1f} GiB "
-            f"at gpu_memory_utilization={gpu_memory_utilization}; raise tp or pick a bigger GPU"
-        )
-    return int(free // kv_bytes_per_token_per_gpu(m, tp))
-
-
-def _default_reserve(m: ModelSpec, tp: int) -> int:
-    return activation_reserve_bytes(m, tp)
-
-
-# -- reporting -------------------------------------------------------------------------------------
-
-
-def step_cost_report(
-    model: ModelSpec | str,
-    gpu: HardwareSpec | str,
-    tp: int = 1,
-    prefill_tokens: int = 0,
-    decode_batch: int = 0,
-    context: int = 0,
-    link: LinkSpec | str | None = None,
-) -> dict:
-    """Cost of one step: a prefill of ``prefill_tokens`` (sampling its last token) plus ``decode_batch``
-    decodes at ``context`` tokens each. JSON-ready (used by ``kvbalance cost --json``)."""
-    for name, v in (("prefill_tokens", prefill_tokens), ("decode_batch", decode_batch), ("context", context)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"{name}: must be a non-negative integer, got {v!r}")
-    if decode_batch and context < 1:
-        raise ValueError(f"context: must be >= 1 when decode_batch > 0, got {context}")
-    if not prefill_tokens and not decode_batch:
-        raise ValueError("prefill_tokens: give prefill_tokens > 0 or decode_batch > 0 (the step is empty)")
-    cm = CostModel(model, gpu, tp, link)
-    seqs: list[SeqWork] = [(1, context, True)] * decode_batch
-    if prefill_tokens:
-        seqs.append((prefill_tokens, prefill_tokens, True))
-    b = cm.step(seqs)
-    total = breakdown_total_s(b)
-    tokens = prefill_tokens + decode_batch
-    return {
-        "model": cm.model.name,
-        "gpu": cm.gpu.name,
-        "tp": tp,
-        "prefill_tokens": prefill_tokens,
-        "decode_batch": decode_batch,
-        "context": context,
-        "step_time_s": total,
-        "compute_time_s": b.compute_s,
-        "memory_time_s": b.memory_s,
-        "overhead_s": b.overhead_s,
-        "comm_s": b.comm_s,
-        "flops": b.flops,
-        "bytes": b.bytes,
-        "tokens_per_s": tokens / total if total > 0 else 0.0,
-        "mfu": b.flops / (total * cm.gpu.peak_flops) if total > 0 else 0.0,
-        "gemm_crossover_tokens": cm.gemm_crossover_tokens(),
-        "ops": {name: t.to_dict() for name, t in cm.op_times(seqs).items()},
-    }

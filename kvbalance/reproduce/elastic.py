@@ -6,7 +6,7 @@ from t=40 s (each prefill, ~3 s, runs on its own, so TTFT measures prefill compu
 behind another long prompt). Four modes:
 
 * ``chunk-8192`` / ``chunk-32768``: chunked prefill with that token budget; the KV pool is what is left after
-  weights and the activation reserve of that chunk size (``elastic_reserve.activation_reserve_bytes``);
+  weights and the activation reserve of that chunk size (``perf.memory.activation_reserve_bytes``);
 * ``elastic-32768``: chunk 32768, with the reserve (minus what a decode step needs) lent to the KV pool while
   only decodes run and reclaimed before a prefill (``kvcache/elastic.py``, with modelled map/unmap latency);
 * ``static-32768``: chunk 32768 with the reserve given to the KV pool for good: it runs until a prefill
@@ -30,15 +30,15 @@ from typing import Any
 
 import numpy as np
 
-from kvbalance.engine import Instance
+from kvbalance.engine import Instance, InstanceConfig, build_instance
 from kvbalance.executor.sim import SimExecutor
-from kvbalance.kvcache import elastic_reserve as er
 from kvbalance.kvcache.elastic import ElasticConfig
 from kvbalance.metrics.report import plot_lines, write_table_csv
 from kvbalance.metrics.summary import to_json_value
-from kvbalance.perf.cost import CostModel, kv_capacity_tokens
+from kvbalance.perf import memory as er
+from kvbalance.perf.cost import CostModel
+from kvbalance.perf.memory import kv_capacity_tokens
 from kvbalance.request import Request, RequestState, SamplingParams
-from kvbalance.scheduler import SchedulerConfig
 from kvbalance.sim.loop import simulate_instance
 from kvbalance.specs import get_gpu, get_model
 from kvbalance.workloads.presets import build_requests
@@ -127,16 +127,16 @@ def build_mode(mode: str) -> Instance:
     elastic = None
     if kind in ("elastic", "static"):
         elastic = ElasticConfig.for_model(model, chunk, 1, BLOCK, MAX_NUM_SEQS, mode=kind)
-    sched = SchedulerConfig(max_num_batched_tokens=chunk, max_num_seqs=MAX_NUM_SEQS)
-    return Instance(
-        SimExecutor(CostModel(model, GPU, 1)),
-        num_blocks=kv_tokens // BLOCK,
+    icfg = InstanceConfig(
+        kv_tokens=kv_tokens - kv_tokens % BLOCK,
         block_size=BLOCK,
-        scheduler_config=sched,
+        chunk_size=chunk,
+        max_num_seqs=MAX_NUM_SEQS,
         max_context=model.max_context,
-        name=mode,
         elastic=elastic,
+        name=mode,
     )
+    return build_instance(icfg, SimExecutor(CostModel(model, GPU, 1)))
 
 
 def run_mode(mode: str, reqs: list[Request] | None = None) -> tuple[dict[str, Any], dict[str, list]]:
@@ -149,8 +149,9 @@ def run_mode(mode: str, reqs: list[Request] | None = None) -> tuple[dict[str, An
         if outcome.plan.num_prefill_tokens == 0:
             decode_only_s[0] += outcome.result.duration_s
         trace["t"].append(outcome.start_s)
-        trace["capacity"].append(inst.pool.capacity_tokens)
-        trace["used"].append(inst.pool.num_used * BLOCK)
+        load = inst.load()
+        trace["capacity"].append(load.kv_capacity_tokens)
+        trace["used"].append(load.kv_used_tokens + load.kv_cached_tokens)
 
     t0 = time.perf_counter()
     run = simulate_instance(inst, reqs, on_step=on_step)
@@ -158,7 +159,7 @@ def run_mode(mode: str, reqs: list[Request] | None = None) -> tuple[dict[str, An
     long = [r for r in reqs if r.request_id.startswith("long")]
     ttfts = [r.first_token_s - r.arrival_s for r in long if r.first_token_s is not None]
     ok = bool(long) and len(ttfts) == len(long) and not inst.failed
-    base = inst.elastic.base_blocks * BLOCK if inst.elastic is not None else inst.pool.capacity_tokens
+    base = inst.elastic.base_blocks * BLOCK if inst.elastic is not None else inst.kv_capacity_tokens
     lent = base + (inst.elastic.config.reserve_blocks * BLOCK if inst.elastic is not None else 0)
     el = inst.elastic.stats() if inst.elastic is not None else {}
     row = {
@@ -172,7 +173,7 @@ def run_mode(mode: str, reqs: list[Request] | None = None) -> tuple[dict[str, An
         "oom_at_s": min((r.finish_s for r in reqs if r.reject_reason == "oom"), default=None),
         "rejected_oom": sum(1 for r in reqs if r.reject_reason == "oom"),
         "completed": sum(1 for r in reqs if r.state is RequestState.FINISHED),
-        "preemptions": inst.scheduler.num_preemptions,
+        "preemptions": inst.load().num_preemptions,
         "makespan_s": run.makespan_s,
         "kv_used_peak_tokens": max(trace["used"], default=0),
         "output_tokens_per_s": sum(r.num_output_tokens for r in reqs if r.state is RequestState.FINISHED)
@@ -211,13 +212,14 @@ def decode_only_share(label: str, workload: str, arrival: str, cv: float, rate: 
     """Share of simulated time whose steps are decode-only (where the reserve could be lent), and idle."""
     model = get_model(MODEL)
     kv_tokens = kv_capacity_tokens(model, GPU, 1, GPU_UTIL, reserve_bytes(SHARE_CHUNK))
-    inst = Instance(
-        SimExecutor(CostModel(model, GPU, 1)),
-        num_blocks=kv_tokens // BLOCK,
+    icfg = InstanceConfig(
+        kv_tokens=kv_tokens - kv_tokens % BLOCK,
         block_size=BLOCK,
-        scheduler_config=SchedulerConfig(max_num_batched_tokens=SHARE_CHUNK, max_num_seqs=MAX_NUM_SEQS),
+        chunk_size=SHARE_CHUNK,
+        max_num_seqs=MAX_NUM_SEQS,
         max_context=model.max_context,
     )
+    inst = build_instance(icfg, SimExecutor(CostModel(model, GPU, 1)))
     reqs = build_requests(workload, n, rate, SEED, model.max_context, arrival=arrival, cv=cv)
     acc = {"decode": 0.0, "mixed": 0.0}
     periods: list[float] = []  # lengths of runs of back-to-back decode-only steps (one lend each)

@@ -259,7 +259,8 @@ class Scheduler:
                 if req.sampling.logprobs is not None and req.request_id in result.logprobs:
                     req.output_logprobs.append(result.logprobs[req.request_id])
                 reason = self._stop_reason(req, token)
-            if caching and req.num_computed_tokens // bs > kv.num_cached_blocks_of(req):
+            # a block filled up in this step: publish it (the cached path always reaches the last full block)
+            if caching and req.num_computed_tokens // bs > (req.num_computed_tokens - s.num_new_tokens) // bs:
                 kv.cache_full_blocks(req)
             if reason is not None:
                 self._release(req, finished=True)

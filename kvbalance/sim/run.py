@@ -13,13 +13,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvbalance.engine import Instance
+from kvbalance.engine import Instance, InstanceConfig, build_instance
 from kvbalance.executor.sim import SimExecutor
+from kvbalance.kvcache.elastic import ElasticConfig
 from kvbalance.metrics.summary import summarize, write_requests_csv, write_summary_json
 from kvbalance.metrics.timeline import Timeline
-from kvbalance.perf.cost import CostModel, activation_reserve_bytes, kv_capacity_tokens
+from kvbalance.perf.cost import CostModel
+from kvbalance.perf.memory import engine_activation_reserve_bytes, kv_capacity_tokens
 from kvbalance.request import Request
-from kvbalance.scheduler import SchedulerConfig
+from kvbalance.scheduler import POLICIES
 from kvbalance.sim.loop import SimRun, simulate_instance
 from kvbalance.specs import get_gpu, get_model
 from kvbalance.workloads.presets import build_requests
@@ -38,7 +40,7 @@ class SimulateConfig(BaseModel):
     num_requests: int | None = Field(1000, ge=1)
     arrival: Literal["poisson", "gamma", "constant"] = "poisson"
     cv: float = Field(1.0, gt=0)
-    policy: Literal["sarathi", "vllm"] = "sarathi"
+    policy: str = "sarathi"  # a scheduling policy name (kvbalance.scheduler.POLICIES)
     chunk_size: int = Field(512, ge=1)  # sarathi: token budget per step; vllm: ignored (whole prompts)
     max_num_seqs: int = Field(256, ge=1)
     block_size: int = Field(16, ge=1)
@@ -50,6 +52,16 @@ class SimulateConfig(BaseModel):
     ttft_slo_s: float | None = Field(None, gt=0)
     tpot_slo_s: float | None = Field(None, gt=0)
     time_scale: float = Field(1.0, gt=0)  # multiplies trace arrival times
+    # elastic KV reserve (kvcache/elastic.py): "elastic" lends the prefill activation reserve to the KV pool
+    # during decode-only periods; "static" keeps it in the pool for good (fails with "oom" when a prefill
+    # no longer fits); "off" (default) leaves the reserve out of the pool
+    elastic: Literal["off", "elastic", "static"] = "off"
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        POLICIES.get(v)
+        return v
 
     @field_validator("rate")
     @classmethod
@@ -94,33 +106,34 @@ class SimulationResult:
         return self.run.requests
 
 
-def build_instance(cfg: SimulateConfig) -> tuple[Instance, CostModel]:
+def build_sim_instance(cfg: SimulateConfig) -> tuple[Instance, CostModel]:
+    """The instance a simulated run serves with: KV capacity from the GPU memory left after weights and
+    the activation reserve at the policy's token budget (or ``kv_tokens``), on the cost model."""
     model = get_model(cfg.model)
     cost = CostModel(model, cfg.gpu, cfg.tp)
     max_context = min(cfg.max_context or model.max_context, model.max_context)
-    budget = cfg.chunk_size if cfg.policy == "sarathi" else max(cfg.chunk_size, max_context)
+    budget = POLICIES.get(cfg.policy).token_budget(cfg.chunk_size, max_context)
     if cfg.kv_tokens is not None:
         kv_tokens = cfg.kv_tokens
     else:
-        reserve = activation_reserve_bytes(model, cfg.tp, budget, cfg.max_num_seqs)
+        reserve = engine_activation_reserve_bytes(model, cfg.tp, budget, cfg.max_num_seqs)
         kv_tokens = kv_capacity_tokens(model, cfg.gpu, cfg.tp, cfg.gpu_memory_utilization, reserve)
-    num_blocks = kv_tokens // cfg.block_size
-    if num_blocks < 1:
-        raise ValueError(f"kv_tokens: {kv_tokens} is less than one block of {cfg.block_size} tokens")
-    sched = SchedulerConfig(
+    elastic = None
+    if cfg.elastic != "off":
+        elastic = ElasticConfig.for_model(
+            model, budget, cfg.tp, cfg.block_size, cfg.max_num_seqs, mode=cfg.elastic
+        )
+    icfg = InstanceConfig(
+        kv_tokens=kv_tokens,
+        block_size=cfg.block_size,
         policy=cfg.policy,
-        max_num_batched_tokens=budget,
+        chunk_size=cfg.chunk_size,
         max_num_seqs=cfg.max_num_seqs,
         enable_prefix_caching=cfg.enable_prefix_caching,
-    )
-    inst = Instance(
-        SimExecutor(cost),
-        num_blocks=num_blocks,
-        block_size=cfg.block_size,
-        scheduler_config=sched,
         max_context=max_context,
+        elastic=elastic,
     )
-    return inst, cost
+    return build_instance(icfg, SimExecutor(cost)), cost
 
 
 def run_simulation(
@@ -131,7 +144,7 @@ def run_simulation(
     requests: list[Request] | None = None,
     report: bool = True,
 ) -> SimulationResult:
-    inst, _ = build_instance(cfg)
+    inst, _ = build_sim_instance(cfg)
     if requests is None:
         requests = build_requests(
             cfg.workload,
@@ -144,15 +157,14 @@ def run_simulation(
             time_scale=cfg.time_scale,
         )
     timeline = Timeline(inst.name)
-    sched = inst.scheduler
     cap = inst.kv_capacity_tokens
 
     def on_step(driver, outcome, now):
         timeline.record(
             outcome.start_s,
-            sched.num_running,
-            sched.num_waiting,
-            sched.kv_used_tokens,
+            inst.num_running,
+            inst.num_waiting,
+            inst.kv_used_tokens,
             cap,
             outcome.plan.num_tokens,
             outcome.result.duration_s,
@@ -180,16 +192,21 @@ def run_simulation(
     finally:
         if bar is not None:
             bar.stop()
+    load = inst.load()
+    extra: dict = {}
+    if inst.elastic is not None:
+        extra["elastic"] = inst.elastic.stats(run.makespan_s)
     summary = summarize(
         run.requests,
         kv_capacity_tokens=cap,
         timeline=timeline,
         ttft_slo_s=cfg.ttft_slo_s,
         tpot_slo_s=cfg.tpot_slo_s,
-        prefix_hit_tokens=sched.prefix_hit_tokens,
-        prompt_tokens_total=sched.admitted_tokens,
-        preemptions=sched.num_preemptions,
-        extra={
+        prefix_hit_tokens=load.prefix_hit_tokens,
+        prompt_tokens_total=load.admitted_tokens,
+        preemptions=load.num_preemptions,
+        extra=extra
+        | {
             "model": cfg.model,
             "gpu": cfg.gpu,
             "tp": cfg.tp,

@@ -3,8 +3,6 @@
 from kvbalance.theory.stability import (
     AreaStats,
     CapacityReport,
-    Empirical,
-    UniformInt,
     area_stats,
     batch_time_estimate,
     capacity_report,
@@ -22,8 +20,6 @@ from kvbalance.theory.stability import (
 __all__ = [
     "AreaStats",
     "CapacityReport",
-    "Empirical",
-    "UniformInt",
     "area_stats",
     "batch_time_estimate",
     "capacity_report",

@@ -21,7 +21,7 @@ from kvbalance.metrics.summary import summarize, to_json_value
 from kvbalance.metrics.timeline import Timeline
 from kvbalance.request import Request, RequestState
 from kvbalance.sim.loop import EventLoop, InstanceDriver
-from kvbalance.sim.run import SimulateConfig, build_instance
+from kvbalance.sim.run import SimulateConfig, build_sim_instance
 from kvbalance.theory.stability import (
     batch_time_estimate,
     memory_time_area,
@@ -237,7 +237,7 @@ def simulate_replicas(
         raise ValueError(f"router: must be 'round_robin' or 'least_loaded', got {router!r}")
     instances = []
     for i in range(num_instances):
-        inst, _ = build_instance(cfg)
+        inst, _ = build_sim_instance(cfg)
         inst.name = f"instance-{i}"
         instances.append(inst)
     if requests is None:

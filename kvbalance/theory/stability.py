@@ -72,51 +72,6 @@ def memory_time_area(s: Any, o: Any, chunk_size: int) -> np.ndarray | int:
 # ---------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class UniformInt:
-    """Discrete uniform over the integers lo..hi, both ends included (the paper's U(10, 1600))."""
-
-    lo: int
-    hi: int
-
-    def __post_init__(self) -> None:
-        if self.lo < 0 or self.hi < self.lo:
-            raise ValueError(f"UniformInt needs 0 <= lo <= hi, got lo={self.lo}, hi={self.hi}")
-
-    @property
-    def values(self) -> np.ndarray:
-        return np.arange(self.lo, self.hi + 1, dtype=np.int64)
-
-    @property
-    def probs(self) -> np.ndarray:
-        n = self.hi - self.lo + 1
-        return np.full(n, 1.0 / n)
-
-    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        return rng.integers(self.lo, self.hi + 1, size=n, dtype=np.int64)
-
-    def mean(self) -> float:
-        return (self.lo + self.hi) / 2
-
-
-class Empirical:
-    """Empirical distribution of observed lengths: each sample equally likely (resampling with replacement)."""
-
-    def __init__(self, samples: Any) -> None:
-        samples = _as_int_array(samples, "samples").ravel()
-        if samples.size == 0:
-            raise ValueError("Empirical needs at least one sample")
-        self.samples = samples
-        self.values, counts = np.unique(samples, return_counts=True)
-        self.probs = counts / counts.sum()
-
-    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        return rng.choice(self.samples, size=n)
-
-    def mean(self) -> float:
-        return float(self.samples.mean())
-
-
 def _exact_pmf(dist: Any) -> tuple[np.ndarray, np.ndarray] | None:
     """(values, probs) when the distribution is discrete and fully known, else None.
 
@@ -128,8 +83,8 @@ def _exact_pmf(dist: Any) -> tuple[np.ndarray, np.ndarray] | None:
     elif isinstance(dist, (int, np.integer)):
         values, probs = np.array([dist]), np.array([1.0])
     elif isinstance(dist, (list, np.ndarray)):
-        e = Empirical(dist)
-        values, probs = e.values, e.probs
+        values, counts = np.unique(_as_int_array(dist, "samples").ravel(), return_counts=True)
+        probs = counts / counts.sum()
     elif hasattr(dist, "values") and not callable(dist.values):
         values = dist.values
         probs = getattr(dist, "probs", None)
@@ -242,7 +197,7 @@ def expected_area(
     """E[g(s, o)] for independent prompt and output length distributions.
 
     A distribution is an int, an array of observed lengths, a (values, probs) tuple, an object with
-    `values`/`probs` (e.g. `UniformInt`, `Empirical`), or anything with `.sample(rng, n)`. With
+    `values`/`probs` (e.g. `workloads.lengths.Uniform`, `Empirical`), or anything with `.sample(rng, n)`. With
     `exact=True` discrete marginals are used exactly and the rest by Monte Carlo (`n_samples`, `seed`);
     `exact=False` samples g directly. `paired=True` takes two equal-length arrays of per-request
     (s_i, o_i) lengths (a trace) and returns the exact mean of g over the pairs, with no independence

@@ -1,93 +1,55 @@
-"""Pure formulas for the Elastic KV Cache paper: the prefill activation reserve and its share of memory.
+"""Memory formulas, one place for the project: KV bytes per token, the prefill activation reserve, the KV
+capacity an engine is left with, and the reserve's share of it (the Elastic KV Cache paper's quantities).
 
 An engine sizes its KV pool after setting aside activation memory for its largest forward pass (vLLM
-measures it with a profiling run over `max_num_batched_tokens`). That reserve sits idle while only decodes
-run; `elastic.py` lends it to the KV pool and reclaims it before a large prefill. These functions say how
-big the reserve is and what share of the memory it could add to the pool.
+measures it with a profiling run over ``max_num_batched_tokens``). That reserve sits idle while only decodes
+run; ``kvcache/elastic.py`` lends it to the KV pool and reclaims it before a large prefill. Every function
+takes a :class:`~kvbalance.specs.ModelSpec` (names resolve to specs at the edges, ``get_model``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
-# Attribute names accepted on a model object (kvbalance.specs.ModelSpec uses the first of each), and the
-# short keyword aliases accepted as plain ints.
-_FIELDS = {
-    "num_layers": ("num_layers",),
-    "hidden_size": ("hidden_size", "hidden"),
-    "num_heads": ("num_heads",),
-    "num_kv_heads": ("num_kv_heads",),
-    "head_dim": ("head_dim",),
-    "intermediate_size": ("intermediate_size", "intermediate"),
-    "vocab_size": ("vocab_size", "vocab"),
-    "dtype_bytes": ("dtype_bytes",),
-}
+from kvbalance.specs import HardwareSpec, ModelSpec, get_gpu, get_model
 
 LOGITS_BYTES = 4  # logits are upcast to fp32 before sampling
 DEFAULT_NUM_SAMPLED_TOKENS = 256  # vLLM's default max_num_seqs: its profiling run samples that many rows
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The model dimensions the reserve and KV-size formulas need (plain ints)."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    dtype_bytes: int = 2
-
-
-def model_shape(model: Any = None, **overrides: int) -> ModelShape:
-    """Build a ModelShape from any object with the ModelSpec attribute names, a dict, or keyword ints.
-
-    Keywords win over the object's attributes; `hidden`, `intermediate` and `vocab` are accepted as short
-    aliases. `dtype_bytes` defaults to 2 (bf16) when neither gives it.
-    """
-    values: dict[str, int] = {}
-    for field, names in _FIELDS.items():
-        value = None
-        for name in names:
-            if overrides.get(name) is not None:
-                value = overrides.pop(name)
-                break
-        if value is None and model is not None:
-            for name in names:
-                value = model.get(name) if isinstance(model, dict) else getattr(model, name, None)
-                if value is not None:
-                    break
-        if value is None and field == "dtype_bytes":
-            value = 2
-        if value is None:
-            raise ValueError(f"model shape is missing {field!r}")
-        if int(value) != value or value <= 0:
-            raise ValueError(f"{field} must be a positive integer, got {value!r}")
-        values[field] = int(value)
-    known = {name for names in _FIELDS.values() for name in names}
-    unknown = sorted(k for k in overrides if k not in known)
-    if unknown:
-        raise TypeError(f"unknown model shape fields: {unknown}")
-    return ModelShape(**values)
-
-
 def _check_tp(tp: int) -> int:
-    if int(tp) != tp or tp < 1:
-        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    if isinstance(tp, bool) or int(tp) != tp or tp < 1:
+        raise ValueError(f"tp: must be a positive integer, got {tp!r}")
     return int(tp)
 
 
+def validate_tp(model: ModelSpec, tp: int) -> None:
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tp: must be a positive integer, got {tp!r}")
+    if model.num_heads % tp:
+        raise ValueError(f"tp: {tp} does not divide num_heads {model.num_heads} of {model.name}")
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        raise ValueError(
+            f"tp: {tp} neither divides nor is a multiple of num_kv_heads {model.num_kv_heads} of {model.name}"
+        )
+    if model.intermediate_size % tp:
+        raise ValueError(
+            f"tp: {tp} does not divide intermediate_size {model.intermediate_size} of {model.name}"
+        )
+
+
+def kv_bytes_per_token(model: ModelSpec, tp: int = 1) -> int:
+    """KV cache bytes one token takes per GPU: 2 (K and V) * layers * ceil(K / tp) * head_dim * dtype_bytes
+    (KV heads fewer than tp are replicated)."""
+    return model.kv_bytes_per_gpu(_check_tp(tp))
+
+
 def activation_reserve_bytes(
-    model: Any = None,
+    model: ModelSpec,
     chunk_size: int = 8192,
     tp: int = 1,
     *,
     num_sampled_tokens: int = DEFAULT_NUM_SAMPLED_TOKENS,
-    **shape: int,
 ) -> int:
     """Peak activation bytes per GPU of one forward pass over `chunk_size` tokens under tensor parallelism.
 
@@ -111,7 +73,7 @@ def activation_reserve_bytes(
     are replicated). Only the residual stream and the replicated outputs keep the reserve from shrinking
     by exactly tp.
     """
-    m = model_shape(model, **shape)
+    m = model
     tp = _check_tp(tp)
     if int(chunk_size) != chunk_size or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive integer number of tokens, got {chunk_size!r}")
@@ -130,11 +92,46 @@ def activation_reserve_bytes(
     return resident + max(attn, mlp, sampler)
 
 
-def kv_bytes_per_token(model: Any = None, tp: int = 1, **shape: int) -> int:
-    """KV cache bytes one token takes per GPU: 2 (K and V) * layers * ceil(K/tp) * head_dim * dtype_bytes."""
-    m = model_shape(model, **shape)
-    tp = _check_tp(tp)
-    return 2 * m.num_layers * math.ceil(m.num_kv_heads / tp) * m.head_dim * m.dtype_bytes
+def engine_activation_reserve_bytes(
+    model: ModelSpec, tp: int = 1, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256
+) -> int:
+    """The reserve an engine with this token budget and sequence cap sets aside (its sampler samples up to
+    ``min(max_num_seqs, max_num_batched_tokens)`` rows)."""
+    return activation_reserve_bytes(
+        model, max_num_batched_tokens, tp, num_sampled_tokens=min(max_num_seqs, max_num_batched_tokens)
+    )
+
+
+def kv_capacity_tokens(
+    model: ModelSpec | str,
+    gpu: HardwareSpec | str,
+    tp: int = 1,
+    gpu_memory_utilization: float = 0.9,
+    activation_reserve_bytes: int | None = None,
+) -> int:
+    """Tokens of KV that fit on each GPU: (capacity * util - weights / tp - reserve) / (kv bytes per token / tp)."""
+    m, g = get_model(model), get_gpu(gpu)
+    validate_tp(m, tp)
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {gpu_memory_utilization}")
+    reserve = (
+        engine_activation_reserve_bytes(m, tp)
+        if activation_reserve_bytes is None
+        else activation_reserve_bytes
+    )
+    if reserve < 0:
+        raise ValueError(f"activation_reserve_bytes: must be >= 0, got {reserve}")
+    budget = g.mem_capacity_bytes * gpu_memory_utilization
+    weights = m.weight_bytes / tp
+    free = budget - weights - reserve
+    if free <= 0:
+        gib = 1 << 30
+        raise ValueError(
+            f"tp: {m.name} needs {weights / gib:.1f} GiB of weights per GPU at tp={tp} plus "
+            f"{reserve / gib:.1f} GiB activation reserve, but {g.name} offers {budget / gib:.1f} GiB "
+            f"at gpu_memory_utilization={gpu_memory_utilization}; raise tp or pick a bigger GPU"
+        )
+    return int(free // kv_bytes_per_token(m, tp))
 
 
 def kv_pool_bytes(
@@ -180,8 +177,8 @@ def reserve_share_of_kv(
     return reserve_bytes / (reserve_bytes + pool)
 
 
-def lendable_kv_tokens(reserve_bytes: int, model: Any = None, tp: int = 1, **shape: int) -> int:
+def lendable_kv_tokens(reserve_bytes: int, model: ModelSpec, tp: int = 1) -> int:
     """How many extra KV tokens per instance the reserve holds when lent to the pool."""
     if reserve_bytes < 0:
         raise ValueError(f"reserve_bytes must be non-negative, got {reserve_bytes!r}")
-    return int(reserve_bytes) // kv_bytes_per_token(model, tp, **shape)
+    return int(reserve_bytes) // kv_bytes_per_token(model, tp)

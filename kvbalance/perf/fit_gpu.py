@@ -1,0 +1,308 @@
+"""Fit a GPU preset's efficiency curves on measured operator times (``kvbalance calibrate``).
+
+Each profiled operator is evaluated on the cost model at its own shape (M tokens, K, N, TP sharding, fp16:
+:meth:`CostModel.kernel`), and the preset's parameters are fitted by least squares on log time
+(``scipy.optimize.least_squares``, trust-region reflective with bounds), one operator class at a time:
+
+- weight GEMMs: ``max(F (M + M_half) / (M peak e_c), B / (bw e_m)) + t_kernel`` -> ``compute_eff_max``,
+  ``compute_half_tokens``, ``memory_eff_max``, ``kernel_latency_s``;
+- each element-wise class: ``B max(T, T_sat) / (T bw e) + t0`` -> a :class:`MemoryCurve`;
+- host time per step: ``t_fixed + t_seq * batch (+ t_tp when tp > 1)``;
+- the TP link: ring all-reduce ``2 (n - 1) / n * bytes / bw + latency``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbalance.perf.cost import CostModel, OpCount, elementwise_class, op_time
+from kvbalance.perf.profiles import AllReduceSample, HostSample, OperatorSample
+from kvbalance.specs import ELEMENTWISE_CLASSES, HardwareSpec, LinkSpec, MemoryCurve
+
+GEMM_OPS = ("qkv_proj", "o_proj", "mlp_up", "mlp_down")
+GEMM_PARAMS = ("compute_eff_max", "compute_half_tokens", "memory_eff_max", "kernel_latency_s")
+# Token ranges the error report splits each class into (inclusive upper bounds).
+TOKEN_RANGES = ((1, 16), (17, 128), (129, 1024), (1025, 1 << 40))
+BATCH_RANGES = ((1, 16), (17, 64), (65, 1 << 40))
+BYTE_RANGES = ((1, 1 << 16), ((1 << 16) + 1, 1 << 20), ((1 << 20) + 1, 16 << 20), ((16 << 20) + 1, 1 << 40))
+
+
+def op_class(sample: OperatorSample) -> str:
+    """The fitted class of a profiled operator: "gemm" or its element-wise class."""
+    if sample.op in GEMM_OPS:
+        return "gemm"
+    return elementwise_class(sample.op, sample.shape.model_spec().arch)
+
+
+@dataclass
+class _Kernels:
+    """Per-sample work of one class (the cost model's counts at each sample's shape) and measured times."""
+
+    flops: np.ndarray
+    bytes: np.ndarray
+    tokens: np.ndarray
+    time_s: np.ndarray
+
+
+def kernel_counts(samples: Sequence[OperatorSample], hw: HardwareSpec) -> list[OpCount]:
+    """The cost model's count of every sample's operator at the sample's shape and TP degree."""
+    models: dict[tuple, CostModel] = {}
+    out = []
+    for s in samples:
+        key = (s.shape, s.tp)
+        cm = models.get(key)
+        if cm is None:
+            cm = models[key] = CostModel(s.shape.model_spec(), hw, s.tp)
+        out.append(cm.kernel(s.op, s.num_tokens))
+    return out
+
+
+def _kernels(counts: Sequence[OpCount], samples: Sequence[OperatorSample]) -> _Kernels:
+    return _Kernels(
+        np.array([c.flops for c in counts]),
+        np.array([c.bytes for c in counts]),
+        np.maximum(np.array([c.size_tokens for c in counts]), 1.0),
+        np.array([s.time_s for s in samples]),
+    )
+
+
+def _gemm_model(k: _Kernels, peak: float, bw: float) -> Callable[[np.ndarray], np.ndarray]:
+    def predict(x: np.ndarray) -> np.ndarray:
+        eff_c, half, eff_m, lat = x
+        compute = k.flops * (k.tokens + half) / (k.tokens * peak * eff_c)
+        return np.maximum(compute, k.bytes / (bw * eff_m)) + lat
+
+    return predict
+
+
+def _curve_model(k: _Kernels, hw: HardwareSpec) -> Callable[[np.ndarray], np.ndarray]:
+    compute = k.flops * (k.tokens + hw.compute_half_tokens) / (k.tokens * hw.peak_flops * hw.compute_eff_max)
+    l2 = hw.l2_cache_bytes
+    cached = l2 / (l2 + k.bytes) if l2 > 0 else np.zeros_like(k.bytes)
+
+    def predict(x: np.ndarray) -> np.ndarray:
+        eff, sat, lat, gain = x
+        eff_b = np.maximum(eff + gain * cached, 1e-6)
+        memory = k.bytes * np.maximum(k.tokens, sat) / (k.tokens * hw.mem_bandwidth_bytes_s * eff_b)
+        return np.maximum(compute, memory) + lat
+
+    return predict
+
+
+def fit_log_least_squares(
+    predict: Callable[[np.ndarray], np.ndarray],
+    measured: np.ndarray,
+    x0: Sequence[float],
+    lower: Sequence[float],
+    upper: Sequence[float],
+) -> np.ndarray:
+    """Parameters minimising sum(log(predict(x)) - log(measured))^2 within [lower, upper]. Each parameter is
+    scaled by its start value so the trust region sees comparable steps."""
+    from scipy.optimize import least_squares
+
+    x0 = np.asarray(x0, dtype=float)
+    scale = np.where(x0 > 0, x0, 1.0)
+    log_meas = np.log(measured)
+
+    def residuals(u: np.ndarray) -> np.ndarray:
+        return np.log(predict(u * scale)) - log_meas
+
+    lo, hi = np.asarray(lower, dtype=float) / scale, np.asarray(upper, dtype=float) / scale
+    u0 = np.clip(x0 / scale, lo, hi)
+    r = least_squares(residuals, u0, bounds=(lo, hi), x_scale="jac", xtol=1e-12, ftol=1e-12, gtol=1e-12)
+    return r.x * scale
+
+
+def fit_gemm(samples: Sequence[OperatorSample], base: HardwareSpec) -> dict[str, float]:
+    gemm = [s for s in samples if s.op in GEMM_OPS]
+    if len(gemm) < len(GEMM_PARAMS):
+        raise ValueError(f"samples: need at least {len(GEMM_PARAMS)} GEMM samples, got {len(gemm)}")
+    k = _kernels(kernel_counts(gemm, base), gemm)
+    predict = _gemm_model(k, base.peak_flops, base.mem_bandwidth_bytes_s)
+    x = fit_log_least_squares(
+        predict, k.time_s, (0.6, 64.0, 0.8, 4e-6), (1e-3, 0, 1e-3, 0), (1, 1e5, 1, 1e-3)
+    )
+    return dict(zip(GEMM_PARAMS, (float(v) for v in x)))
+
+
+def fit_elementwise(samples: Sequence[OperatorSample], hw: HardwareSpec) -> dict[str, MemoryCurve]:
+    """One :class:`MemoryCurve` per element-wise class present in ``samples`` (after the GEMM fit: the
+    compute part uses ``hw``'s GEMM curve)."""
+    curves = {}
+    for cls in ELEMENTWISE_CLASSES:
+        sel = [s for s in samples if op_class(s) == cls]
+        if len(sel) < 3:
+            continue
+        k = _kernels(kernel_counts(sel, hw), sel)
+        cache = hw.l2_cache_bytes > 0  # fit the L2 gain only where the GPU's cache size is known
+        predict = _curve_model(k, hw)
+        best, best_cost = None, np.inf
+        for sat in (16.0, 128.0, 1024.0):  # the max() kink has local minima: start on both sides of it
+            x = fit_log_least_squares(
+                predict,
+                k.time_s,
+                (0.5, sat, 2e-6, 0.2 if cache else 0.0),
+                (1e-3, 0, 0, -1.0 if cache else 0.0),
+                (4, 1e5, 1e-3, 4.0 if cache else 1e-12),
+            )
+            cost = float(np.sum((np.log(predict(x)) - np.log(k.time_s)) ** 2))
+            if cost < best_cost:
+                best, best_cost = x, cost
+        x = best
+        gain = max(float(x[3]), 1e-3 - float(x[0])) if cache else 0.0
+        curves[cls] = MemoryCurve(float(x[0]), float(x[1]), float(x[2]), l2_eff_gain=gain)
+    return curves
+
+
+def fit_host(samples: Sequence[HostSample]) -> dict[str, float]:
+    """Host time per step: fixed + per sequence (+ TP synchronisation when tp > 1)."""
+    if len(samples) < 3:
+        raise ValueError(f"samples: need at least 3 host-overhead samples, got {len(samples)}")
+    b = np.array([s.batch_size for s in samples], dtype=float)
+    multi = np.array([s.tp > 1 for s in samples], dtype=float)
+    t = np.array([s.time_s for s in samples])
+
+    def predict(x: np.ndarray) -> np.ndarray:
+        return x[0] + x[1] * b + x[2] * multi
+
+    x = fit_log_least_squares(predict, t, (1e-3, 5e-5, 2e-3), (1e-6, 0, 0), (1, 1e-2, 1))
+    return {
+        "step_overhead_s": float(x[0]),
+        "host_overhead_per_seq_s": float(x[1]),
+        "host_overhead_tp_s": float(x[2]),
+    }
+
+
+def allreduce_predict(samples: Sequence[AllReduceSample], link: LinkSpec) -> np.ndarray:
+    n = np.array([s.num_workers for s in samples], dtype=float)
+    size = np.array([s.size_bytes for s in samples], dtype=float)
+    return 2.0 * (n - 1) / n * size / link.bandwidth_bytes_s + link.latency_s
+
+
+def fit_link(samples: Sequence[AllReduceSample], base: LinkSpec, name: str) -> LinkSpec:
+    """The TP link's latency and bandwidth from ring all-reduce times."""
+    if len(samples) < 2:
+        raise ValueError(f"samples: need at least 2 all-reduce samples, got {len(samples)}")
+    t = np.array([s.time_s for s in samples])
+
+    def predict(x: np.ndarray) -> np.ndarray:
+        return allreduce_predict(samples, LinkSpec("fit", x[0], x[1]))
+
+    x = fit_log_least_squares(predict, t, (base.bandwidth_bytes_s, 1e-5), (1e8, 0), (1e13, 1e-2))
+    datasheet = base.note.split("; latency and bandwidth fitted")[
+        0
+    ]  # a re-fit starts from the datasheet note
+    note = f"{datasheet}; latency and bandwidth fitted on {len(samples)} NCCL all-reduce times ({samples[0].topology})"
+    return LinkSpec(name, float(x[0]), float(x[1]), note)
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClassError:
+    """Relative error |pred / meas - 1| of one operator class over one token range."""
+
+    op_class: str
+    tokens: str
+    count: int
+    median: float
+    worst: float
+
+    def to_dict(self) -> dict:
+        return {"class": self.op_class, "tokens": self.tokens, "count": self.count,
+                "median_rel_error": self.median, "worst_rel_error": self.worst}  # fmt: skip
+
+
+@dataclass
+class FitResult:
+    hardware: HardwareSpec
+    predicted_s: np.ndarray  # per operator sample, the fitted preset's prediction
+    samples: list[OperatorSample] = field(repr=False)
+    errors: list[ClassError]
+    host_errors: list[ClassError]
+    link_errors: list[ClassError]
+
+
+def predict_operator_samples(samples: Sequence[OperatorSample], hw: HardwareSpec) -> np.ndarray:
+    """The cost model's time of each profiled operator on ``hw`` (the scalar path :func:`op_time`)."""
+    return np.array([op_time(c, hw).time_s for c in kernel_counts(samples, hw)])
+
+
+def _error_rows(
+    label_of: Sequence[str], size: np.ndarray, pred: np.ndarray, meas: np.ndarray, ranges=TOKEN_RANGES
+) -> list[ClassError]:
+    rel = np.abs(pred / meas - 1.0)
+    labels = np.array(label_of)
+    rows = []
+    for cls in dict.fromkeys(label_of):
+        in_cls = labels == cls
+        rows.append(
+            ClassError(cls, "all", int(in_cls.sum()), float(np.median(rel[in_cls])), float(rel[in_cls].max()))
+        )
+        for lo, hi in ranges:
+            sel = in_cls & (size >= lo) & (size <= hi)
+            if sel.any():
+                span = f"{lo}-{hi}" if hi < 1 << 40 else f">={lo}"
+                rows.append(
+                    ClassError(cls, span, int(sel.sum()), float(np.median(rel[sel])), float(rel[sel].max()))
+                )
+    return rows
+
+
+def operator_errors(samples: Sequence[OperatorSample], pred: np.ndarray) -> list[ClassError]:
+    meas = np.array([s.time_s for s in samples])
+    tokens = np.array([s.num_tokens for s in samples])
+    return _error_rows([op_class(s) for s in samples], tokens, pred, meas)
+
+
+def fit_gpu(
+    base: HardwareSpec,
+    ops: Sequence[OperatorSample],
+    host: Sequence[HostSample] = (),
+    allreduce: Sequence[AllReduceSample] = (),
+    name: str | None = None,
+    source: str = "",
+) -> FitResult:
+    """Fit ``base``'s efficiency curves on ``ops`` (and its host overhead on ``host``, its TP link on
+    ``allreduce`` where given); peaks, bandwidth and capacity stay ``base``'s datasheet values."""
+    if not ops:
+        raise ValueError("samples: no operator samples to fit")
+    hw = base.with_(
+        memory_half_bytes=0.0, per_layer_overhead_s=0.0, elementwise_curves={}, **fit_gemm(ops, base)
+    )
+    hw = hw.with_(elementwise_curves=fit_elementwise(ops, hw))
+    if host:
+        hw = hw.with_(**fit_host(host))
+    if allreduce:
+        link_name = hw.tp_link.name.removesuffix("-fitted") + "-fitted"
+        hw = hw.with_(tp_link=fit_link(allreduce, hw.tp_link, link_name))
+    pred = predict_operator_samples(ops, hw)
+    errors = operator_errors(ops, pred)
+    gemm = next(e for e in errors if e.op_class == "gemm" and e.tokens == "all")
+    note = (
+        f"{base.name}: datasheet peaks ({base.source.split('.')[0]}); efficiency curves and kernel latency"
+        f"{', host overhead' if host else ''}{', TP link' if allreduce else ''} fitted by kvbalance calibrate"
+        f" on {len(ops)} operator times"
+        f"{f', {len(host)} host-overhead steps' if host else ''}"
+        f"{f', {len(allreduce)} all-reduces' if allreduce else ''} ({source or 'given samples'}); GEMM error "
+        f"median {gemm.median:.1%}, worst {gemm.worst:.1%}. Attention is not in the data: "
+        f"attention_eff_ratio={hw.attention_eff_ratio} is not fitted."
+    )
+    hw = hw.with_(name=name or base.name, source=note)
+    host_err = []
+    if host:
+        hp = np.array([hw.host_overhead_s(s.batch_size, s.batch_size, s.tp) for s in host])
+        hm = np.array([s.time_s for s in host])
+        host_err = _error_rows([f"host tp{'>1' if s.tp > 1 else '=1'}" for s in host],
+                               np.array([s.batch_size for s in host]), hp, hm, BATCH_RANGES)  # fmt: skip
+    link_err = []
+    if allreduce:
+        am = np.array([s.time_s for s in allreduce])
+        link_err = _error_rows([f"all-reduce x{s.num_workers}" for s in allreduce],
+                               np.array([s.size_bytes for s in allreduce]), allreduce_predict(allreduce, hw.tp_link), am,
+                               BYTE_RANGES)  # fmt: skip
+    return FitResult(hw, pred, list(ops), errors, host_err, link_err)
