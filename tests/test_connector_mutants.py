@@ -151,8 +151,22 @@ def test_abort_while_loading_holds_blocks_until_the_load_not_a_save_lands():
     _apply(sched, sched.schedule(2.0), saves=["r"])  # a save report does not free a load's blocks
     assert all(sched.pool.ref_count(b) == 1 for b in blocks)
     _apply(sched, sched.schedule(3.0), loads=["r"])
-    assert sched.pool.num_free == 32
+    assert sched.pool.num_free == 32 and sched._load_target == {} and sched._held == {}
     sched.check_invariants()
+
+
+def test_aborting_a_running_request_tells_the_connector_and_may_hold_its_blocks():
+    conn = ScriptedConnector(external=0, load_async=False, hold=True)
+    sched = _scheduler(conn)
+    req = make_request("r", 6, max_tokens=4)
+    sched.add(req)
+    _apply(sched, sched.schedule(0.0))
+    blocks = list(req.block_ids)
+    sched.abort(req, 1.0)
+    assert conn.finished == [("r", blocks)] and req.block_ids == [] and sched.num_running == 0
+    assert all(sched.pool.ref_count(b) >= 1 for b in blocks)  # held until the save lands
+    _apply(sched, sched.schedule(2.0), saves=["r"])
+    assert sched.pool.num_free + sched.cache.num_cached_blocks == 32
 
 
 def test_the_null_connector_offers_nothing_and_holds_nothing():

@@ -195,3 +195,90 @@ def test_evicting_a_prefix_block_drops_everything_below_it():
     cache.check_invariants()
     assert cache.num_cached_blocks == 1 and pool.num_free == 15
     assert cache.evict(10) == 1 and pool.num_free == 16  # no stale heap entry is freed twice
+
+
+def test_request_block_hashes_equal_the_prefix_hashes_of_its_tokens_across_the_prompt_boundary():
+    kv = KVCacheManager(BlockPool(16, 4))
+    req = make_request("r", list(range(100, 110)), max_tokens=20)
+    assert kv.block_hashes(req, 4) == prefix_block_hashes(list(range(100, 104)), 4)
+    assert kv.block_hashes(req, 9) == prefix_block_hashes(list(range(100, 108)), 4)
+    req.output_token_ids.extend(range(500, 512))  # 22 tokens: blocks past the prompt mix prompt and output
+    tokens = list(range(100, 110)) + list(range(500, 512))
+    for n in (12, 13, 20, 22):
+        assert kv.block_hashes(req, n) == prefix_block_hashes(tokens[:n], 4)
+    assert kv.block_hashes(req, 8) == prefix_block_hashes(
+        tokens[:8], 4
+    )  # a shorter prefix of the cached list
+
+
+def test_numpy_prompts_hash_like_lists():
+    import numpy as np
+
+    toks = list(range(7, 15))  # two blocks of 4: the few-block path
+    assert prefix_block_hashes(np.array(toks), 4) == prefix_block_hashes(toks, 4)
+    long = list(range(40))  # ten blocks: the vectorised path
+    assert prefix_block_hashes(np.array(long), 4) == prefix_block_hashes(long, 4)
+    assert prefix_block_hashes(long, 4)[:2] == prefix_block_hashes(long[:8], 4)
+
+
+def test_unlocked_blocks_are_counted_along_the_whole_path():
+    pool = BlockPool(16, 2)
+    cache, ids = _tree(pool)
+    node, n = cache.match_prefix(prefix_block_hashes(list(range(8)), 2))
+    assert n == 4 and cache.unlocked_blocks_on_path(node) == 4  # P (2 blocks) and A's tail (2 blocks)
+    cache.lock(node.parent)  # P locked by someone: only A's tail is unlocked
+    assert cache.unlocked_blocks_on_path(node) == 2 and cache.protected_blocks == 2
+    cache.unlock(node.parent)
+    cache.check_invariants()
+
+
+def test_elastic_pool_edges_lent_double_free_and_eviction_before_lending():
+    with pytest.raises(ValueError, match="^num_elastic: must be >= 0, got -1$"):
+        ElasticBlockPool(2, 4, num_elastic=-1)
+    pool = ElasticBlockPool(2, 4, num_elastic=3)
+    assert pool.num_elastic == 3 and pool.base_blocks == 2
+    with pytest.raises(ValueError, match=r"^block_ids: 5 is not in the elastic region \[2, 5\)$"):
+        pool.attach([5])
+    with pytest.raises(ValueError, match="^block_ids: a block is listed twice$"):
+        pool.detach([2, 2])
+    pool.attach([2, 3, 4])
+    asked: list[int] = []
+    base = pool.allocate(2)
+
+    def evict(n: int) -> int:  # a cache giving back exactly what was asked, from the base pool
+        asked.append(n)
+        pool.free(base[:n])
+        return n
+
+    pool.evict_before_lent = evict
+    assert sorted(pool.allocate(1)) == [base[0]] and asked == [1]  # base block freed by eviction, not lent
+    pool.evict_before_lent = lambda n: asked.append(n) or 0  # nothing left to evict
+    pool.free([base[1]])  # one base block free: 2 asked, 1 short
+    got = pool.allocate(2)
+    assert asked == [1, 1] and got[0] == base[1] and got[1] >= 2  # the base block first, then a lent one
+    lent = got[1:]
+    pool.free(lent)
+    with pytest.raises(RuntimeError, match=f"^block {lent[0]}: double free$"):
+        pool.free(lent)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda p: p._lent_free.append(p._lent_free[-1]), "a free list holds a block twice"),
+        (lambda p: p._free.append(p._lent_free.pop()), "a block sits in the wrong free list"),
+        (lambda p: p._lent_pos.__setitem__(p._lent_free[0], 7), "lent free-list positions are stale"),
+        (lambda p: p._ref.__setitem__(0, -1), "negative reference count"),
+        (lambda p: p._attached.__setitem__(0, 0), "a base block is detached"),
+        (lambda p: p._ref.__setitem__(4, 1), "a detached block is referenced"),
+        (lambda p: setattr(p, "num_blocks", p.num_blocks + 1), "num_blocks 5 != attached blocks"),
+        (lambda p: p._ref.__setitem__(3, 1), "free lists and zero ref counts disagree"),
+    ],
+)
+def test_elastic_pool_invariant_checks_catch_each_corruption(corrupt, message):
+    pool = ElasticBlockPool(2, 4, num_elastic=3)
+    pool.attach([2, 3])
+    pool.check_invariants()
+    corrupt(pool)
+    with pytest.raises(AssertionError, match=message):
+        pool.check_invariants()
