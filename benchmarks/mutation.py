@@ -68,7 +68,9 @@ def _last_run() -> dict[str, tuple[int | None, str]]:
     out: dict[str, tuple[int | None, str]] = {}
     for meta in sorted(MUTANTS.glob("kvbalance/**/*.py.meta")):
         source = ROOT / meta.relative_to(MUTANTS).with_suffix("")
-        digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16] if source.exists() else ""
+        if not source.exists():
+            continue  # a file moved or deleted since mutmut generated its mutants
+        digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
         for name, code in json.loads(meta.read_text())["exit_code_by_key"].items():
             out[name] = (code, digest)
     return out
@@ -92,7 +94,8 @@ def merge_results() -> dict[str, int | None]:
             merged[name] = [code, digest]
     if MUTANTS.exists():
         MERGED.write_text(json.dumps(merged, indent=0, sort_keys=True) + "\n")
-    return {name: code for name, (code, _) in merged.items()}
+    current = _last_run()
+    return {name: code for name, (code, _) in merged.items() if name in current}
 
 
 def load_results() -> dict[str, int | None]:

@@ -77,7 +77,7 @@ def test_prefill_chunk_shrinks_to_the_free_blocks_instead_of_preempting():
 def test_chunk_shrinks_to_a_single_token_when_one_slot_is_left():
     # a 15-token chunk leaves one slot in the fourth block; with no block free the next chunk is 1 token
     sched = _scheduler(4, budget=15)
-    a = make_request("a", 20, max_tokens=2)
+    a = make_request("a", 17, max_tokens=2)  # 2 prompt tokens left after the first chunk
     sched.add(a)
     assert _step(sched) == [("a", 0, 15, False)]
     assert _step(sched) == [("a", 15, 1, False)]
@@ -278,3 +278,44 @@ def test_policy_token_budgets():
     assert POLICIES.get("sarathi").token_budget(512, 4096) == 512
     assert POLICIES.get("vllm").token_budget(512, 4096) == 4096  # a whole prompt always fits a step
     assert POLICIES.get("vllm").token_budget(8192, 4096) == 8192
+
+
+def test_decodes_go_first_and_the_budget_stops_the_step_exactly():
+    sched = _scheduler(64, budget=16)
+    reqs = [make_request(rid, 4, max_tokens=10) for rid in "abcd"]
+    for r in reqs:
+        sched.add(r)
+    _step(sched)
+    _step(sched)
+    reqs[0].num_computed_tokens -= 2  # a (the oldest) has 3 tokens to recompute: prefill work
+    sched.config.max_num_batched_tokens = 3
+    assert _step(sched, check=False) == [("b", 5, 1, True), ("c", 5, 1, True), ("d", 5, 1, True)]
+    sched.config.max_num_batched_tokens = 5
+    assert _step(sched) == [("b", 6, 1, True), ("c", 6, 1, True), ("d", 6, 1, True), ("a", 3, 2, False)]
+
+
+def test_a_decode_that_preempts_itself_leaves_the_older_prefill_scheduled():
+    sched = _scheduler(3)
+    a, b = make_request("a", 4, max_tokens=10), make_request("b", 3, max_tokens=10)
+    sched.add(a)
+    sched.add(b)
+    _step(sched)
+    _step(sched)  # a takes the last free block; b's next decode needs one more
+    a.num_computed_tokens = 3  # a recomputes 3 tokens inside its own blocks
+    assert _step(sched, check=False) == [("a", 3, 3, True)]
+    assert b.state is RequestState.WAITING and b.num_preemptions == 1
+
+
+def test_logprobs_are_kept_only_when_asked_for_and_reported():
+    sched = _scheduler(16)
+    want, plain = make_request("want", 4, max_tokens=2), make_request("plain", 4, max_tokens=2)
+    want.sampling.logprobs = 1
+    sched.add(want)
+    sched.add(plain)
+    plan = sched.schedule(0.0)
+    lp = {"want": "lp-want", "plain": "lp-plain"}
+    sched.update(plan, StepResult(0.01, {"want": 7, "plain": 7}, lp), 0.0)
+    assert want.output_logprobs == ["lp-want"] and plain.output_logprobs == []
+    plan = sched.schedule(1.0)
+    sched.update(plan, StepResult(0.01, {"want": 8, "plain": 8}, {}), 1.0)  # none reported this step
+    assert want.output_logprobs == ["lp-want"]
