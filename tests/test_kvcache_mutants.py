@@ -130,6 +130,7 @@ def test_manager_grows_block_tables_and_evicts_idle_cache_blocks_when_short():
 
 def test_manager_without_prefix_caching_never_hits():
     kv = KVCacheManager(BlockPool(4, 4), enable_prefix_caching=False)
+    assert kv.can_admit(NO_HIT, 16) and not kv.can_admit(NO_HIT, 17)  # the whole pool, not one block more
     a = make_request("a", list(range(8)), max_tokens=1)
     kv.admit(a, NO_HIT, 8)
     a.num_computed_tokens = 8
