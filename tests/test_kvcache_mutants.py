@@ -283,3 +283,30 @@ def test_elastic_pool_invariant_checks_catch_each_corruption(corrupt, message):
     corrupt(pool)
     with pytest.raises(AssertionError, match=message):
         pool.check_invariants()
+
+
+def test_common_prefix_finds_the_first_differing_block():
+    from kvbalance.kvcache.prefix import _common_prefix
+
+    node = list(range(10, 18))  # 8 chained hashes
+    for k in range(1, 9):
+        other = node[:k] + [-1] * (8 - k)
+        assert _common_prefix(node, other, 0) == k
+        assert _common_prefix(node, [7, 7] + other, 2) == k  # matched from offset i
+    assert _common_prefix(node, node[:3], 0) == 3  # the query ends first
+
+
+def test_the_eviction_heap_is_rebuilt_from_live_leaves_and_still_evicts_lru_first():
+    pool = BlockPool(8, 2)
+    cache = RadixCache(pool)
+    for base in (0, 100):
+        blocks = pool.allocate(2)
+        cache.insert(prefix_block_hashes([base, base + 1, base + 2, base + 3], 2), blocks)
+        pool.free(blocks)
+    hot = prefix_block_hashes([100, 101, 102, 103], 2)
+    for _ in range(1100):  # every touch pushes a new heap entry: past 4 * nodes + 1024 the heap is rebuilt
+        cache.match_prefix(hot)
+    assert len(cache._heap) < 1024
+    cache.check_invariants()
+    assert cache.evict(2) == 2  # the cold prefix goes first
+    assert cache.match_prefix(hot)[1] == 2 and cache.match_prefix(prefix_block_hashes([0, 1, 2, 3], 2))[1] == 0
