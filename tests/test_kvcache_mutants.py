@@ -309,4 +309,6 @@ def test_the_eviction_heap_is_rebuilt_from_live_leaves_and_still_evicts_lru_firs
     assert len(cache._heap) < 1024
     cache.check_invariants()
     assert cache.evict(2) == 2  # the cold prefix goes first
-    assert cache.match_prefix(hot)[1] == 2 and cache.match_prefix(prefix_block_hashes([0, 1, 2, 3], 2))[1] == 0
+    assert (
+        cache.match_prefix(hot)[1] == 2 and cache.match_prefix(prefix_block_hashes([0, 1, 2, 3], 2))[1] == 0
+    )
