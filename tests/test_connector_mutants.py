@@ -129,11 +129,6 @@ def test_finished_request_blocks_are_held_until_its_save_lands():
     _finish_with_a_held_save(check=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: RadixCache.check_invariants requires ref_count <= 1 + lock_ref, but a finished request's "
-    "cached blocks held for a KV save have ref 2 with lock_ref 0 (the held reference is not counted)",
-)
 def test_invariants_hold_while_a_finished_requests_cached_blocks_wait_for_their_save():
     _finish_with_a_held_save(check=True)
 
