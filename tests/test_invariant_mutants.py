@@ -32,7 +32,9 @@ def test_block_pool_corruptions():
     _raises(pool.check_invariants, re.escape("free list and zero ref counts disagree: [0] differ"))
     pool = BlockPool(12, 4)
     pool._ref[:] = [1] * 12  # twelve disagree: the message lists the first ten
-    _raises(pool.check_invariants, re.escape(f"free list and zero ref counts disagree: {list(range(10))} differ"))
+    _raises(
+        pool.check_invariants, re.escape(f"free list and zero ref counts disagree: {list(range(10))} differ")
+    )
     pool = BlockPool(3, 4)
     (b,) = pool.allocate(1)
     pool._ref[b] = -1  # not free, not zero: only the sign check sees it
@@ -71,7 +73,9 @@ def test_elastic_pool_corruptions():
 def test_elastic_pool_free_list_disagreement_names_the_blocks():
     pool = ElasticBlockPool(12, 4, 0)
     pool._ref[:] = [1] * 12
-    _raises(pool.check_invariants, re.escape(f"free lists and zero ref counts disagree: {list(range(10))} differ"))
+    _raises(
+        pool.check_invariants, re.escape(f"free lists and zero ref counts disagree: {list(range(10))} differ")
+    )
     pool = _elastic()
     pool.attach([2, 3])  # lent blocks 2, 3 sit free in the lent list
     pool.check_invariants()
@@ -120,7 +124,9 @@ def test_radix_cache_lock_and_heap_corruptions():
     _raises(cache.check_invariants, re.escape(f"{n['A']}: locked more than its parent"))
     _, cache, n = _tree()
     cache._heap.clear()
-    with pytest.raises(AssertionError, match=r"^RadixNode\(.*\): evictable leaf missing from the eviction heap$"):
+    with pytest.raises(
+        AssertionError, match=r"^RadixNode\(.*\): evictable leaf missing from the eviction heap$"
+    ):
         cache.check_invariants()
 
 
