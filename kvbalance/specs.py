@@ -262,6 +262,8 @@ _NON_NEGATIVE = (
     "host_overhead_per_seq_s",
     "host_overhead_per_token_s",
     "host_overhead_tp_s",
+    "host_overhead_tp_per_seq_s",
+    "host_overhead_per_tp_rank_s",
     "l2_cache_bytes",
 )
 
@@ -289,22 +291,28 @@ class MemoryCurve:
     stay in L2 add to it (negative where the kernel is slower there); below ``sat_tokens`` tokens the kernel
     takes as long as at ``sat_tokens`` (one thread block per token: fewer tokens leave SMs idle);
     ``latency_s`` is the kernel's fixed time.
+
+    At or below ``small_tokens`` tokens the kernel runs another code path (the measured embedding gather does:
+    a fixed cost per token row, whatever the row's width, and a step down past 16 tokens):
+    ``small_latency_s + small_per_token_s * tokens``. ``small_tokens = 0``: no such path.
     """
 
     eff: float
     sat_tokens: float = 0.0
     latency_s: float = 0.0
     l2_eff_gain: float = 0.0
+    small_tokens: float = 0.0
+    small_latency_s: float = 0.0
+    small_per_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.eff <= 4.0:
             raise ValueError(f"eff: must be in (0, 4], got {self.eff!r}")
         if not 0 < self.eff + self.l2_eff_gain <= 8.0:
             raise ValueError(f"l2_eff_gain: eff + l2_eff_gain must be in (0, 8], got {self.l2_eff_gain!r}")
-        if self.sat_tokens < 0 or self.latency_s < 0:
-            raise ValueError(
-                f"sat_tokens, latency_s: must be >= 0, got {self.sat_tokens!r}, {self.latency_s!r}"
-            )
+        for f in ("sat_tokens", "latency_s", "small_tokens", "small_latency_s", "small_per_token_s"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f}: must be >= 0, got {getattr(self, f)!r}")
 
 
 @dataclass(frozen=True)
@@ -323,8 +331,10 @@ class HardwareSpec:
     Fitted GPU presets (``kvbalance calibrate``) add: ``kernel_latency_s``, the fixed time of every GEMM and
     attention kernel; ``elementwise_curves``, a :class:`MemoryCurve` per element-wise class
     (``ELEMENTWISE_CLASSES``; a class left out uses the streaming formula above); and the engine's host time
-    per step, ``step_overhead_s + host_overhead_per_seq_s * seqs + host_overhead_per_token_s * tokens``, plus
-    ``host_overhead_tp_s`` when tensor parallel workers must be synchronised.
+    per step, ``step_overhead_s + host_overhead_per_seq_s * seqs + host_overhead_per_token_s * tokens``, plus,
+    when tensor parallel workers must be synchronised (tp > 1), ``host_overhead_tp_s +
+    host_overhead_tp_per_seq_s * seqs + host_overhead_per_tp_rank_s * (tp - 1)`` (broadcasting the step's
+    inputs to the workers grows with the batch and with the number of workers).
     """
 
     name: str
@@ -343,6 +353,10 @@ class HardwareSpec:
     host_overhead_per_seq_s: float = 0.0  # host time per sequence in the batch (inputs, sampling, outputs)
     host_overhead_per_token_s: float = 0.0  # host time per scheduled token
     host_overhead_tp_s: float = 0.0  # extra host time per step when tp > 1 (worker synchronisation)
+    host_overhead_tp_per_seq_s: float = (
+        0.0  # extra host time per sequence when tp > 1 (inputs to the workers)
+    )
+    host_overhead_per_tp_rank_s: float = 0.0  # extra host time per step per worker beyond the first
     elementwise_curves: dict[str, MemoryCurve] = field(default_factory=dict, hash=False)
     l2_cache_bytes: float = 0.0  # last-level cache (datasheet); 0: the curves see no cache term
     tp_link: LinkSpec = field(default_factory=lambda: LINKS["nvlink"])  # intra-node link used by TP
@@ -378,7 +392,13 @@ class HardwareSpec:
 
     def host_overhead_s(self, num_seqs: int, num_tokens: int, tp: int = 1) -> float:
         """Engine host time of one step over ``num_seqs`` sequences and ``num_tokens`` tokens."""
-        extra = self.host_overhead_tp_s if tp > 1 else 0.0
+        extra = (
+            self.host_overhead_tp_s
+            + self.host_overhead_tp_per_seq_s * num_seqs
+            + self.host_overhead_per_tp_rank_s * (tp - 1)
+            if tp > 1
+            else 0.0
+        )
         return (
             self.step_overhead_s
             + extra
@@ -427,7 +447,7 @@ class HardwareSpec:
                 }
             except TypeError as e:
                 raise ValueError(
-                    f"elementwise_curves: {e} (fields: eff, sat_tokens, latency_s, l2_eff_gain)"
+                    f"elementwise_curves: {e} (fields: {', '.join(f.name for f in fields(MemoryCurve))})"
                 ) from None
         try:
             return cls(**d)
@@ -497,6 +517,8 @@ FITTED_FIELDS = (
     "host_overhead_per_seq_s",
     "host_overhead_per_token_s",
     "host_overhead_tp_s",
+    "host_overhead_tp_per_seq_s",
+    "host_overhead_per_tp_rank_s",
     "elementwise_curves",
 )
 

@@ -7,7 +7,8 @@ Each profiled operator is evaluated on the cost model at its own shape (M tokens
 - weight GEMMs: ``max(F (M + M_half) / (M peak e_c), B / (bw e_m)) + t_kernel`` -> ``compute_eff_max``,
   ``compute_half_tokens``, ``memory_eff_max``, ``kernel_latency_s``;
 - each element-wise class: ``B max(T, T_sat) / (T bw e) + t0`` -> a :class:`MemoryCurve`;
-- host time per step: ``t_fixed + t_seq * batch (+ t_tp when tp > 1)``;
+- the element-wise small-token path, where a class has one: ``t0 + t_token * T`` at or below a threshold;
+- host time per step: ``t_fixed + t_seq * batch (+ t_tp + t_tp_seq * batch + t_rank * (tp - 1) when tp > 1)``;
 - the TP link: ring all-reduce ``2 (n - 1) / n * bytes / bw + latency``.
 """
 
@@ -24,6 +25,18 @@ from kvbalance.specs import ELEMENTWISE_CLASSES, HardwareSpec, LinkSpec, MemoryC
 
 GEMM_OPS = ("qkv_proj", "o_proj", "mlp_up", "mlp_down")
 GEMM_PARAMS = ("compute_eff_max", "compute_half_tokens", "memory_eff_max", "kernel_latency_s")
+HOST_PARAMS = (
+    "step_overhead_s",
+    "host_overhead_per_seq_s",
+    "host_overhead_tp_s",
+    "host_overhead_tp_per_seq_s",
+    "host_overhead_per_tp_rank_s",
+)
+# Small-token path of an element-wise class: thresholds tried (tokens), distinct token counts the line needs
+# at or below them, and the cut in squared log error it must bring to be kept.
+SMALL_PATH_MAX_TOKENS = 64
+SMALL_PATH_MIN_POINTS = 3
+SMALL_PATH_GAIN = 0.1
 # Token ranges the error report splits each class into (inclusive upper bounds).
 TOKEN_RANGES = ((1, 16), (17, 128), (129, 1024), (1025, 1 << 40))
 BATCH_RANGES = ((1, 16), (17, 64), (65, 1 << 40))
@@ -128,52 +141,104 @@ def fit_gemm(samples: Sequence[OperatorSample], base: HardwareSpec) -> dict[str,
     return dict(zip(GEMM_PARAMS, (float(v) for v in x)))
 
 
+def _fit_curve(k: _Kernels, hw: HardwareSpec) -> tuple[np.ndarray, float]:
+    """Best (eff, sat_tokens, latency_s, l2_eff_gain) of one class and its cost (sum of squared log errors)."""
+    cache = hw.l2_cache_bytes > 0  # fit the L2 gain only where the GPU's cache size is known
+    predict = _curve_model(k, hw)
+    best, best_cost = None, np.inf
+    for sat in (16.0, 128.0, 1024.0):  # the max() kink has local minima: start on both sides of it
+        x = fit_log_least_squares(
+            predict,
+            k.time_s,
+            (0.5, sat, 2e-6, 0.2 if cache else 0.0),
+            (1e-3, 0, 0, -1.0 if cache else 0.0),
+            (4, 1e5, 1e-3, 4.0 if cache else 1e-12),
+        )
+        cost = float(np.sum((np.log(predict(x)) - np.log(k.time_s)) ** 2))
+        if cost < best_cost:
+            best, best_cost = x, cost
+    if cache:
+        best[3] = max(float(best[3]), 1e-3 - float(best[0]))
+    return best, best_cost
+
+
+def _fit_line(tokens: np.ndarray, time_s: np.ndarray) -> tuple[np.ndarray, float]:
+    """``latency + per_token * T`` on log time (a small-token path) and its cost."""
+
+    def predict(x: np.ndarray) -> np.ndarray:
+        return x[0] + x[1] * tokens
+
+    x = fit_log_least_squares(predict, time_s, (1e-6, 1e-7), (0, 0), (1e-3, 1e-4))
+    return x, float(np.sum((np.log(predict(x)) - np.log(time_s)) ** 2))
+
+
+def _small_path(k: _Kernels, x: np.ndarray, hw: HardwareSpec) -> tuple[float, float]:
+    """The token threshold at or below which a line fits the class better than its curve (0: none), and the
+    cost of the best split. Candidates: the class's token counts up to ``SMALL_PATH_MAX_TOKENS`` with at least
+    ``SMALL_PATH_MIN_POINTS`` distinct counts at or below them."""
+    curve_cost = (np.log(_curve_model(k, hw)(x)) - np.log(k.time_s)) ** 2
+    best_thr, best_cost = 0.0, float(curve_cost.sum())
+    counts = np.unique(k.tokens[k.tokens <= SMALL_PATH_MAX_TOKENS])
+    for thr in counts[SMALL_PATH_MIN_POINTS - 1 :]:
+        small = k.tokens <= thr
+        _, line_cost = _fit_line(k.tokens[small], k.time_s[small])
+        cost = line_cost + float(curve_cost[~small].sum())
+        if cost < best_cost:
+            best_thr, best_cost = float(thr), cost
+    return best_thr, best_cost
+
+
+def _subset(k: _Kernels, sel: np.ndarray) -> _Kernels:
+    return _Kernels(k.flops[sel], k.bytes[sel], k.tokens[sel], k.time_s[sel])
+
+
 def fit_elementwise(samples: Sequence[OperatorSample], hw: HardwareSpec) -> dict[str, MemoryCurve]:
     """One :class:`MemoryCurve` per element-wise class present in ``samples`` (after the GEMM fit: the
-    compute part uses ``hw``'s GEMM curve)."""
+    compute part uses ``hw``'s GEMM curve). A small-token path (``MemoryCurve.small_tokens``) is kept where it
+    cuts the class's squared log error by ``SMALL_PATH_GAIN`` or more; the curve is then refitted on the
+    larger token counts only."""
     curves = {}
     for cls in ELEMENTWISE_CLASSES:
         sel = [s for s in samples if op_class(s) == cls]
         if len(sel) < 3:
             continue
         k = _kernels(kernel_counts(sel, hw), sel)
-        cache = hw.l2_cache_bytes > 0  # fit the L2 gain only where the GPU's cache size is known
-        predict = _curve_model(k, hw)
-        best, best_cost = None, np.inf
-        for sat in (16.0, 128.0, 1024.0):  # the max() kink has local minima: start on both sides of it
-            x = fit_log_least_squares(
-                predict,
-                k.time_s,
-                (0.5, sat, 2e-6, 0.2 if cache else 0.0),
-                (1e-3, 0, 0, -1.0 if cache else 0.0),
-                (4, 1e5, 1e-3, 4.0 if cache else 1e-12),
-            )
-            cost = float(np.sum((np.log(predict(x)) - np.log(k.time_s)) ** 2))
-            if cost < best_cost:
-                best, best_cost = x, cost
-        x = best
-        gain = max(float(x[3]), 1e-3 - float(x[0])) if cache else 0.0
-        curves[cls] = MemoryCurve(float(x[0]), float(x[1]), float(x[2]), l2_eff_gain=gain)
+        x, cost = _fit_curve(k, hw)
+        thr, split_cost = _small_path(k, x, hw)
+        small_fit = {}
+        if thr > 0 and split_cost < (1 - SMALL_PATH_GAIN) * cost:
+            small = k.tokens <= thr
+            x, _ = _fit_curve(_subset(k, ~small), hw)
+            line, _ = _fit_line(k.tokens[small], k.time_s[small])
+            small_fit = {
+                "small_tokens": thr,
+                "small_latency_s": float(line[0]),
+                "small_per_token_s": float(line[1]),
+            }
+        gain = float(x[3]) if hw.l2_cache_bytes > 0 else 0.0
+        curves[cls] = MemoryCurve(float(x[0]), float(x[1]), float(x[2]), l2_eff_gain=gain, **small_fit)
     return curves
 
 
 def fit_host(samples: Sequence[HostSample]) -> dict[str, float]:
-    """Host time per step: fixed + per sequence (+ TP synchronisation when tp > 1)."""
-    if len(samples) < 3:
-        raise ValueError(f"samples: need at least 3 host-overhead samples, got {len(samples)}")
+    """Host time per step: fixed + per sequence, and when tp > 1: + TP fixed + TP per sequence + per extra
+    worker (``HardwareSpec.host_overhead_s``)."""
+    if len(samples) < len(HOST_PARAMS):
+        raise ValueError(
+            f"samples: need at least {len(HOST_PARAMS)} host-overhead samples, got {len(samples)}"
+        )
     b = np.array([s.batch_size for s in samples], dtype=float)
-    multi = np.array([s.tp > 1 for s in samples], dtype=float)
+    tp = np.array([s.tp for s in samples], dtype=float)
+    multi = (tp > 1).astype(float)
     t = np.array([s.time_s for s in samples])
 
     def predict(x: np.ndarray) -> np.ndarray:
-        return x[0] + x[1] * b + x[2] * multi
+        return x[0] + x[1] * b + multi * (x[2] + x[3] * b) + x[4] * (tp - 1)
 
-    x = fit_log_least_squares(predict, t, (1e-3, 5e-5, 2e-3), (1e-6, 0, 0), (1, 1e-2, 1))
-    return {
-        "step_overhead_s": float(x[0]),
-        "host_overhead_per_seq_s": float(x[1]),
-        "host_overhead_tp_s": float(x[2]),
-    }
+    x = fit_log_least_squares(
+        predict, t, (1e-3, 5e-5, 2e-3, 5e-5, 5e-4), (1e-6, 0, 0, 0, 0), (1, 1e-2, 1, 1e-2, 1e-1)
+    )
+    return dict(zip(HOST_PARAMS, (float(v) for v in x)))
 
 
 def allreduce_predict(samples: Sequence[AllReduceSample], link: LinkSpec) -> np.ndarray:
