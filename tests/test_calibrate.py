@@ -37,7 +37,7 @@ SHAPES = (
     ProfileShape("gated-7b", 32, 32, 4096, 11008, 32000, True),
     ProfileShape("plain-3b", 32, 32, 2560, 10240, 51200, False),
 )
-TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096)
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 136, 192, 200, 256, 270, 384, 400, 512, 700, 1024, 2048, 4096)
 TRUTH = get_gpu("h100-sxm").with_(
     name="truth",
     compute_eff_max=0.7,
@@ -59,9 +59,9 @@ TRUTH = get_gpu("h100-sxm").with_(
         "norm": MemoryCurve(0.3, 150.0, 2.5e-6, 0.3),
         "layer_norm": MemoryCurve(0.4, 300.0, 3e-6, 0.5),
         "rope": MemoryCurve(0.45, 120.0, 1.5e-6, 0.1),
-        "activation": MemoryCurve(0.6, 100.0, 1e-6, -0.1),
+        "activation": MemoryCurve(0.6, 100.0, 1e-6, -0.1, wave_weight=0.5),
         "activation_ungated": MemoryCurve(0.7, 20.0, 1e-6, 0.2),
-        "residual_add": MemoryCurve(0.8, 2.0, 1.5e-6, 0.6),
+        "residual_add": MemoryCurve(0.8, 2.0, 1.5e-6, 0.6, l2_bytes_scale=0.8, l2_sharpness=4.0),
     },
 )
 
@@ -114,8 +114,9 @@ def test_fitter_recovers_known_parameters_from_synthetic_profiles(synthetic_fit)
     for cls, truth in TRUTH.elementwise_curves.items():
         got = hw.elementwise_curves[cls]
         for f in ("eff", "sat_tokens", "latency_s", "l2_eff_gain", "small_tokens", "small_latency_s",
-                  "small_per_token_s"):  # fmt: skip
-            assert getattr(got, f) == pytest.approx(getattr(truth, f), rel=0.01, abs=1e-9), (cls, f)
+                  "small_per_token_s", "wave_weight", "l2_bytes_scale", "l2_sharpness"):  # fmt: skip
+            tol = 1e-6 if f == "wave_weight" else 1e-9  # dimensionless, 0 in most classes
+            assert getattr(got, f) == pytest.approx(getattr(truth, f), rel=0.01, abs=tol), (cls, f)
     assert all(
         e.worst < 1e-3 for e in synthetic_fit.errors + synthetic_fit.host_errors + synthetic_fit.link_errors
     )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbalance.perf.cost import ATTENTION, OP_NAMES, CostModel, SeqWork, curve_eff
+from kvbalance.perf.kernels import wave_rows
 from kvbalance.specs import HardwareSpec, ModelSpec, get_link, get_model
 
 # (seqs of the step, measured seconds)
@@ -122,7 +123,7 @@ class _Features:
                 sz = self.size[:, j]
                 streaming[:, j] = (
                     self.bytes[:, j]
-                    * np.maximum(sz, c.sat_tokens)
+                    * np.maximum(wave_rows(sz, c.wave_weight, hw.num_sms), c.sat_tokens)
                     / (sz * hw.mem_bandwidth_bytes_s * curve_eff(c, self.bytes[:, j], hw))
                 )
                 small = sz <= c.small_tokens

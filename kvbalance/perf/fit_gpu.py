@@ -6,7 +6,8 @@ Each profiled operator is evaluated on the cost model at its own shape (M tokens
 
 - weight GEMMs: ``max(F (M + M_half) / (M peak e_c), B / (bw e_m)) + t_kernel`` -> ``compute_eff_max``,
   ``compute_half_tokens``, ``memory_eff_max``, ``kernel_latency_s``;
-- each element-wise class: ``B max(T, T_sat) / (T bw e) + t0`` -> a :class:`MemoryCurve`;
+- each element-wise class: ``B max(T_w, T_sat) / (T bw e) + t0``, T_w = T padded by ``w`` towards whole waves
+  of SM-count rows -> a :class:`MemoryCurve`;
 - the element-wise small-token path, where a class has one: ``t0 + t_token * T`` at or below a threshold;
 - host time per step: ``t_fixed + t_seq * batch (+ t_tp + t_tp_seq * batch + t_rank * (tp - 1) when tp > 1)``;
 - the TP link: ring all-reduce ``2 (n - 1) / n * bytes / bw + latency``.
@@ -14,12 +15,14 @@ Each profiled operator is evaluated on the cost model at its own shape (M tokens
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvbalance.perf.cost import CostModel, OpCount, elementwise_class, op_time
+from kvbalance.perf.kernels import wave_rows
 from kvbalance.perf.profiles import AllReduceSample, HostSample, OperatorSample
 from kvbalance.specs import ELEMENTWISE_CLASSES, HardwareSpec, LinkSpec, MemoryCurve
 
@@ -94,12 +97,13 @@ def _gemm_model(k: _Kernels, peak: float, bw: float) -> Callable[[np.ndarray], n
 def _curve_model(k: _Kernels, hw: HardwareSpec) -> Callable[[np.ndarray], np.ndarray]:
     compute = k.flops * (k.tokens + hw.compute_half_tokens) / (k.tokens * hw.peak_flops * hw.compute_eff_max)
     l2 = hw.l2_cache_bytes
-    cached = l2 / (l2 + k.bytes) if l2 > 0 else np.zeros_like(k.bytes)
+    ratio = k.bytes / l2 if l2 > 0 else np.full_like(k.bytes, np.inf)
 
     def predict(x: np.ndarray) -> np.ndarray:
-        eff, sat, lat, gain = x
-        eff_b = np.maximum(eff + gain * cached, 1e-6)
-        memory = k.bytes * np.maximum(k.tokens, sat) / (k.tokens * hw.mem_bandwidth_bytes_s * eff_b)
+        eff, sat, lat, gain, wave, scale, sharp = x
+        eff_b = np.maximum(eff + gain / (1.0 + (ratio / scale) ** sharp), 1e-6)
+        rows = np.maximum(wave_rows(k.tokens, wave, hw.num_sms), sat)
+        memory = k.bytes * rows / (k.tokens * hw.mem_bandwidth_bytes_s * eff_b)
         return np.maximum(compute, memory) + lat
 
     return predict
@@ -142,17 +146,28 @@ def fit_gemm(samples: Sequence[OperatorSample], base: HardwareSpec) -> dict[str,
 
 
 def _fit_curve(k: _Kernels, hw: HardwareSpec) -> tuple[np.ndarray, float]:
-    """Best (eff, sat_tokens, latency_s, l2_eff_gain) of one class and its cost (sum of squared log errors)."""
+    """Best (eff, sat_tokens, latency_s, l2_eff_gain, wave_weight, l2_bytes_scale, l2_sharpness) of one class and its cost (sum of squared log errors)."""
     cache = hw.l2_cache_bytes > 0  # fit the L2 gain only where the GPU's cache size is known
     predict = _curve_model(k, hw)
     best, best_cost = None, np.inf
-    for sat in (16.0, 128.0, 1024.0):  # the max() kink has local minima: start on both sides of it
+    # the kinks (saturation, waves, L2 cliff) have local minima: start on both sides of each (smooth, and
+    # quantised with a sharp cliff where the GPU has SMs and L2)
+    shapes = [(0.0, 1.0)] + ([(0.8 if hw.num_sms > 0 else 0.0, 8.0), (0.0, 8.0)] if cache else [])
+    for sat, (wave, sharp) in itertools.product((16.0, 128.0, 1024.0), shapes):
         x = fit_log_least_squares(
             predict,
             k.time_s,
-            (0.5, sat, 2e-6, 0.2 if cache else 0.0),
-            (1e-3, 0, 0, -1.0 if cache else 0.0),
-            (4, 1e5, 1e-3, 4.0 if cache else 1e-12),
+            (0.5, sat, 2e-6, 0.2 if cache else 0.0, wave, 1.0, sharp),
+            (1e-3, 0, 0, -1.0 if cache else 0.0, 0.0, 0.05 if cache else 1.0, 1.0),
+            (
+                4,
+                1e5,
+                1e-3,
+                4.0 if cache else 1e-12,
+                1.0 if hw.num_sms > 0 else 1e-12,
+                20.0 if cache else 1 + 1e-12,
+                20.0 if cache else 1 + 1e-12,
+            ),
         )
         cost = float(np.sum((np.log(predict(x)) - np.log(k.time_s)) ** 2))
         if cost < best_cost:
@@ -216,7 +231,11 @@ def fit_elementwise(samples: Sequence[OperatorSample], hw: HardwareSpec) -> dict
                 "small_per_token_s": float(line[1]),
             }
         gain = float(x[3]) if hw.l2_cache_bytes > 0 else 0.0
-        curves[cls] = MemoryCurve(float(x[0]), float(x[1]), float(x[2]), l2_eff_gain=gain, **small_fit)
+        wave = float(x[4]) if hw.num_sms > 0 else 0.0
+        l2 = {"l2_bytes_scale": float(x[5]), "l2_sharpness": float(x[6])} if hw.l2_cache_bytes > 0 else {}
+        curves[cls] = MemoryCurve(
+            float(x[0]), float(x[1]), float(x[2]), gain, wave_weight=wave, **l2, **small_fit
+        )
     return curves
 
 
