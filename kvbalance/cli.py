@@ -22,6 +22,7 @@ COMMANDS = {
     "serve": "serve",
     "bench": "bench",
     "profile": "profile",
+    "offline": "offline",
     "calibrate": "calibrate",
 }
 

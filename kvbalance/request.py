@@ -8,6 +8,7 @@ prefill, prefix hits and recompute after preemption one code path (vLLM v1's vie
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return per token, None = off
+    # OpenAI's penalties over the output so far: logit[j] -= frequency * count[j] + presence * (count[j] > 0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -48,6 +53,14 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs: must be >= 0, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}: must be finite, got {getattr(self, name)}")
+        for token, bias in (self.logit_bias or {}).items():
+            if not (isinstance(token, int) and token >= 0 and math.isfinite(bias)):
+                raise ValueError(
+                    f"logit_bias: needs token ids >= 0 and finite biases, got {token!r}: {bias!r}"
+                )
 
 
 class Request:

@@ -11,14 +11,13 @@ import math
 import numpy as np
 import pytest
 
+from kvbalance.cluster.replicas import measure_saturation, simulate_replicas
 from kvbalance.sim.run import SimulateConfig
 from kvbalance.theory import stability_margin, stable_service_rate
 from kvbalance.theory.measure import (
-    measure_saturation,
     mixed_requests,
     mixture_area,
     queue_growth,
-    simulate_replicas,
     throughput_bounds,
     workload_area,
 )

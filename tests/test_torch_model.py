@@ -355,3 +355,41 @@ def test_smollm2_matches_transformers_from_gguf():
         ref_tokens, ref_logits = hf_reference(hf, list(r.prompt_token_ids), NUM_OUT)
         assert r.output_token_ids == ref_tokens
         torch.testing.assert_close(torch.stack(logits[r.request_id]), ref_logits, atol=1e-3, rtol=0)
+
+
+@pytest.mark.skipif(not llama._can_pack(torch.zeros(1)), reason="no MKL in this torch build")
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 100, 513])
+def test_mkl_packed_linear_equals_the_plain_matmul(rows):
+    g = torch.Generator().manual_seed(rows)
+    layer = torch.nn.Linear(96, 200, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(200, 96, generator=g))
+        layer.bias.copy_(torch.randn(200, generator=g))
+    x = torch.randn(rows, 96, generator=g)
+    with torch.inference_mode():
+        plain = layer(x)
+        layer.mkl_packed = llama._pack(layer.weight)
+        packed = llama.linear(x, layer)
+    torch.testing.assert_close(packed, plain, atol=1e-4, rtol=1e-5)
+
+
+def test_float32_cpu_executor_packs_its_weights():
+    ex = TorchExecutor(TINY, random_weights(TINY, seed=0), num_blocks=8, block_size=BLOCK)
+    assert ex.packed_weights == llama._can_pack(torch.zeros(1))
+    ex16 = TorchExecutor(
+        TINY, random_weights(TINY, seed=0), num_blocks=8, block_size=BLOCK, dtype=torch.bfloat16
+    )
+    assert not ex16.packed_weights
+
+
+@pytest.mark.skipif(not llama._can_pack(torch.zeros(1)), reason="no MKL in this torch build")
+def test_weights_overwritten_in_place_are_packed_again():
+    g = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(32, 48, bias=False)
+    x = torch.randn(5, 32, generator=g)
+    with torch.inference_mode():
+        layer.mkl_packed, layer.mkl_packed_version = llama._pack(layer.weight), layer.weight._version
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 32, generator=g))  # e.g. weights migrated in from another executor
+    with torch.inference_mode():
+        torch.testing.assert_close(llama.linear(x, layer), x @ layer.weight.T, atol=1e-5, rtol=1e-5)

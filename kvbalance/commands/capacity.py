@@ -114,11 +114,9 @@ def _config(args, **overrides):
 
 def capacity(args) -> dict[str, Any]:
     """Everything ``kvbalance capacity`` reports, as a JSON-ready dict."""
-    from kvbalance.sim.run import build_sim_instance
-    from kvbalance.theory.measure import measure_saturation, throughput_bounds, workload_area
+    from kvbalance.theory.measure import throughput_bounds
     from kvbalance.theory.stability import (
         instances_needed,
-        representative_batch_time,
         stability_margin,
         stability_verdict,
         stable_service_rate,
@@ -127,37 +125,8 @@ def capacity(args) -> dict[str, Any]:
     rate = _parse_rate(str(args.rate))
     _check_args(args)
     cfg = _config(args, rate=math.inf, num_requests=args.b_requests)
-    inst, _ = build_sim_instance(cfg)
-    m = inst.kv_capacity_tokens  # whole blocks, as the simulator allocates them
-    max_context = inst.max_context
-    area = workload_area(args.workload, args.chunk_size, max_context)
-    if area.max_total_tokens > m:
-        raise ValueError(
-            f"kv_tokens: the largest request ({area.max_total_tokens} tokens) does not fit in KV memory "
-            f"({m} tokens)"
-        )
-
-    measured: dict[str, Any] | None = None
-    if args.batch_time is not None:
-        b, b_method = args.batch_time, "given"
-    else:
-        sat = measure_saturation(cfg)
-        steps = sat.b
-        b, b_method = representative_batch_time(sat.step_times_s, args.b_method)
-        measured = {
-            "num_requests": sat.num_requests,
-            "window_s": list(sat.window_s),
-            "window_steps": steps["count"],
-            "b_median_s": steps["median"],
-            "b_trimmed_mean_s": steps["trimmed_mean"],
-            "b_mean_s": steps["mean"],
-            "b_p10_s": steps["p10"],
-            "b_p90_s": steps["p90"],
-            "saturation_throughput_rps": sat.throughput_rps,
-            "kv_usage": sat.kv_usage_window,
-            "running_median": sat.running_median,
-            "preemptions": sat.preemptions,
-        }
+    m, max_context, area = _memory_and_area(args, cfg)
+    b, b_method, measured = _batch_time(args, cfg)
 
     mu = stable_service_rate(m, b, area.expected_area)  # mu = M / (b E[g])
     delta = stability_margin(area.max_total_tokens, m)  # delta = ess sup(s + o) / M
@@ -194,23 +163,73 @@ def capacity(args) -> dict[str, Any]:
         **bounds,
         "b_measurement": measured,
     }
-    warnings = []
-    if bounds["binding"] != "memory":
-        warnings.append(
-            f"{bounds['binding']} binds before KV memory: the memory-bound mu overestimates this instance"
+    if measured is not None:
+        # the same planning rule with the simulator's saturation throughput in place of mu
+        mu_sim = measured["saturation_throughput_rps"]
+        report["instances_needed_measured"] = instances_needed(rate, mu_sim, delta, args.headroom)
+    report["warnings"] = _theory_warnings(bounds["binding"], mu, delta, measured)
+    if args.ttft_slo is not None or args.tpot_slo is not None:
+        report["slo"] = _slo_check(args, rate, n)
+    return to_json_value(report)
+
+
+def _memory_and_area(args, cfg):
+    """M, the max context, and the workload's E[g] and ess sup(s + o); the largest request must fit in M."""
+    from kvbalance.sim.run import build_sim_instance
+    from kvbalance.theory.measure import workload_area
+
+    inst, _ = build_sim_instance(cfg)
+    m = inst.kv_capacity_tokens  # whole blocks, as the simulator allocates them
+    max_context = inst.max_context
+    area = workload_area(args.workload, args.chunk_size, max_context)
+    if area.max_total_tokens > m:
+        raise ValueError(
+            f"kv_tokens: the largest request ({area.max_total_tokens} tokens) does not fit in KV memory "
+            f"({m} tokens)"
         )
+    return m, max_context, area
+
+
+def _batch_time(args, cfg) -> tuple[float, str, dict[str, Any] | None]:
+    """b: ``--batch-time`` as given, or measured on a saturated run (with what that run measured)."""
+    from kvbalance.cluster.replicas import measure_saturation
+    from kvbalance.theory.stability import representative_batch_time
+
+    if args.batch_time is not None:
+        return args.batch_time, "given", None
+    sat = measure_saturation(cfg)
+    steps = sat.b
+    b, b_method = representative_batch_time(sat.step_times_s, args.b_method)
+    measured = {
+        "num_requests": sat.num_requests,
+        "window_s": list(sat.window_s),
+        "window_steps": steps["count"],
+        "b_median_s": steps["median"],
+        "b_trimmed_mean_s": steps["trimmed_mean"],
+        "b_mean_s": steps["mean"],
+        "b_p10_s": steps["p10"],
+        "b_p90_s": steps["p90"],
+        "saturation_throughput_rps": sat.throughput_rps,
+        "kv_usage": sat.kv_usage_window,
+        "running_median": sat.running_median,
+        "preemptions": sat.preemptions,
+    }
+    return b, b_method, measured
+
+
+def _theory_warnings(binding: str, mu: float, delta: float, measured: dict[str, Any] | None) -> list[str]:
+    """Where the memory-bound mu may overestimate this instance: another ceiling binds first, or the
+    simulated saturation throughput falls below mu (1 - delta)."""
+    warnings = []
+    if binding != "memory":
+        warnings.append(f"{binding} binds before KV memory: the memory-bound mu overestimates this instance")
     if measured is not None:
         mu_sim = measured["saturation_throughput_rps"]
-        # the same planning rule with the simulator's saturation throughput in place of mu
-        report["instances_needed_measured"] = instances_needed(rate, mu_sim, delta, args.headroom)
         if mu_sim < mu * (1 - delta):
             warnings.append(
                 f"simulated saturation ({mu_sim:.4g} rps) is below mu (1 - delta) ({mu * (1 - delta):.4g} rps)"
             )
-    report["warnings"] = warnings
-    if args.ttft_slo is not None or args.tpot_slo is not None:
-        report["slo"] = _slo_check(args, rate, n)
-    return to_json_value(report)
+    return warnings
 
 
 def _slo_check(args, rate: float, n: int) -> dict[str, Any]:

@@ -2,15 +2,38 @@
 
 from __future__ import annotations
 
+import os
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # kvbalance.server.app.DEFAULT_MAX_BODY_BYTES (not imported: heavy)
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server over the real engine (extra: server, torch)"
     )
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVBALANCE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every path but /health (default: $KVBALANCE_API_KEY)",
+    )
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting or running; more get 429")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="larger bodies get 413")
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="longer text prompts get 400 before tokenising (default: 32 x the model's context)",
+    )
+    p.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="at shutdown, how long requests in flight may finish before they end with an error",
+    )
     p.add_argument("--kv-tokens", type=int, default=65_536)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--chunk-size", type=int, default=512)
@@ -20,13 +43,18 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from kvbalance.server.app import serve
+    from kvbalance.server.serving import serve
 
     serve(
         args.model,
         host=args.host,
         port=args.port,
         max_queue=args.max_queue,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+        drain_timeout_s=args.drain_timeout_s,
         kv_cache_tokens=args.kv_tokens,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.chunk_size,

@@ -38,7 +38,8 @@ class SimExecutor:
     host or peer copy). With ``overlap_transfers`` (default) a transfer runs layer by layer under the
     step's compute, so only the part longer than the compute adds to the step (BanaServe's layer-wise
     overlapped fetch/compute/store); without it the whole transfer adds. Every transfer in the plan
-    finishes within the step.
+    finishes within the step. ``step_model`` (anything with ``predict(plan) -> StepBreakdown``, e.g.
+    ``perf.overlap.OverlapStepModel``) replaces the cost model's sequential step time.
     """
 
     def __init__(
@@ -46,8 +47,10 @@ class SimExecutor:
         cost_model: CostModel,
         link: LinkSpec | str | None = None,
         overlap_transfers: bool = True,
+        step_model=None,
     ) -> None:
         self.cost_model = cost_model
+        self.step_model = step_model if step_model is not None else cost_model
         self.link = get_link(link) if link is not None else get_link("pcie4")
         self.overlap_transfers = overlap_transfers
         self.num_steps = 0
@@ -68,7 +71,7 @@ class SimExecutor:
         return total
 
     def execute(self, plan: BatchPlan) -> StepResult:
-        breakdown = self.cost_model.predict(plan)
+        breakdown = self.step_model.predict(plan)
         compute_s = breakdown_total_s(breakdown)
         moved_s = self.transfer_s(plan.kv_loads) + self.transfer_s(plan.kv_saves)
         breakdown.transfer_s = max(0.0, moved_s - compute_s) if self.overlap_transfers else moved_s

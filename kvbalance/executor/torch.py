@@ -96,6 +96,7 @@ class TorchExecutor:
         self.transfer_handler = transfer_handler
         with torch.inference_mode():
             self.model = build_model(self.config, weights, self.device, dtype)
+            self.packed_weights = self.model.pack_weights_for_cpu()  # float32 CPU: MKL-packed GEMM weights
             c = self.config
             # head-major per layer (see ``Attention``); the block helpers speak [blocks, block_size, kvh, hd]
             self.kv_cache = torch.zeros(
@@ -172,8 +173,20 @@ class TorchExecutor:
                 sp = req.sampling
                 sample_rows.append(b)
                 sample_ids.append(req.request_id)
+                penalised = sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
                 sample_params.append(
-                    SampleRequest(sp.temperature, sp.top_k, sp.top_p, sp.seed, sp.logprobs, position=end)
+                    SampleRequest(
+                        sp.temperature,
+                        sp.top_k,
+                        sp.top_p,
+                        sp.seed,
+                        sp.logprobs,
+                        position=end,
+                        logit_bias=sp.logit_bias,
+                        presence_penalty=sp.presence_penalty,
+                        frequency_penalty=sp.frequency_penalty,
+                        output_token_ids=req.output_token_ids if penalised else (),
+                    )
                 )
         attn = self.model.layers[0].attn
         meta = build_step_metadata(

@@ -122,16 +122,8 @@ def summarize(
     per admission (1 + preemptions). ``extra`` adds keys; it may not overwrite computed ones.
     """
     reqs = list(requests)
-    if kv_capacity_tokens < 0:
-        raise ValueError(f"kv_capacity_tokens: must be >= 0, got {kv_capacity_tokens}")
-    for name, slo in (("ttft_slo_s", ttft_slo_s), ("tpot_slo_s", tpot_slo_s)):
-        if slo is not None and slo <= 0:
-            raise ValueError(f"{name}: must be > 0, got {slo}")
-
+    _check_summary_inputs(kv_capacity_tokens, ttft_slo_s, tpot_slo_s)
     done = [r for r in reqs if r.state is RequestState.FINISHED]
-    states = Counter(r.state for r in reqs)
-    reasons = Counter(r.reject_reason or "unknown" for r in reqs if r.state is RequestState.REJECTED)
-
     finish_times = np.array([r.finish_s for r in done], dtype=np.float64)
     makespan = None
     if done:
@@ -144,26 +136,15 @@ def summarize(
     out_tokens = sum(r.num_output_tokens for r in done)
     slo_given = ttft_slo_s is not None or tpot_slo_s is not None
     good = sum(meets_slo(r, ttft_slo_s, tpot_slo_s) for r in done) if slo_given else len(done)
-
-    admitted = [r for r in reqs if r.first_scheduled_s is not None]
-    if prefix_hit_tokens is None:
-        prefix_hit_tokens = sum(r.prefix_hit_tokens for r in reqs)
-    if prompt_tokens_total is None:
-        prompt_tokens_total = sum(r.num_prompt_tokens * (1 + r.num_preemptions) for r in admitted)
-    if preemptions is None:
-        preemptions = sum(r.num_preemptions for r in reqs)
-
+    prefix_hit_tokens, prompt_tokens_total, preemptions = _admission_totals(
+        reqs, prefix_hit_tokens, prompt_tokens_total, preemptions
+    )
     kv_usage = None
     if timeline is not None:
         kv_usage = kv_usage_mean([timeline] if isinstance(timeline, Timeline) else list(timeline))
 
     summary: dict[str, Any] = {
-        "num_requests": len(reqs),
-        "completed": len(done),
-        "rejected": states[RequestState.REJECTED],
-        "aborted": states[RequestState.ABORTED],
-        "unfinished": len(reqs) - len(done) - states[RequestState.REJECTED] - states[RequestState.ABORTED],
-        "rejected_reasons": dict(sorted(reasons.items())),
+        **_outcome_counts(reqs, done),
         "makespan_s": makespan,
         "throughput_rps": rate(len(done)),
         "steady_throughput_rps": steady_throughput(finish_times),
@@ -190,6 +171,48 @@ def summarize(
             raise ValueError(f"extra: keys {clash} would overwrite computed metrics")
         summary.update(extra)
     return to_json_value(summary)
+
+
+def _check_summary_inputs(
+    kv_capacity_tokens: int, ttft_slo_s: float | None, tpot_slo_s: float | None
+) -> None:
+    if kv_capacity_tokens < 0:
+        raise ValueError(f"kv_capacity_tokens: must be >= 0, got {kv_capacity_tokens}")
+    for name, slo in (("ttft_slo_s", ttft_slo_s), ("tpot_slo_s", tpot_slo_s)):
+        if slo is not None and slo <= 0:
+            raise ValueError(f"{name}: must be > 0, got {slo}")
+
+
+def _outcome_counts(reqs: Sequence[Request], done: Sequence[Request]) -> dict[str, Any]:
+    """How the requests ended: completed, rejected (by reason), aborted, and unfinished (the rest)."""
+    states = Counter(r.state for r in reqs)
+    reasons = Counter(r.reject_reason or "unknown" for r in reqs if r.state is RequestState.REJECTED)
+    return {
+        "num_requests": len(reqs),
+        "completed": len(done),
+        "rejected": states[RequestState.REJECTED],
+        "aborted": states[RequestState.ABORTED],
+        "unfinished": len(reqs) - len(done) - states[RequestState.REJECTED] - states[RequestState.ABORTED],
+        "rejected_reasons": dict(sorted(reasons.items())),
+    }
+
+
+def _admission_totals(
+    reqs: Sequence[Request],
+    prefix_hit_tokens: int | None,
+    prompt_tokens_total: int | None,
+    preemptions: int | None,
+) -> tuple[int, int, int]:
+    """The given counters, each one not given summed over the requests: prefix-hit tokens, prompt tokens
+    over admissions (each admitted prompt once per admission, 1 + preemptions) and preemptions."""
+    admitted = [r for r in reqs if r.first_scheduled_s is not None]
+    if prefix_hit_tokens is None:
+        prefix_hit_tokens = sum(r.prefix_hit_tokens for r in reqs)
+    if prompt_tokens_total is None:
+        prompt_tokens_total = sum(r.num_prompt_tokens * (1 + r.num_preemptions) for r in admitted)
+    if preemptions is None:
+        preemptions = sum(r.num_preemptions for r in reqs)
+    return prefix_hit_tokens, prompt_tokens_total, preemptions
 
 
 def request_rows(requests: Iterable[Request]) -> list[dict[str, Any]]:

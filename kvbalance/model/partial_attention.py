@@ -164,6 +164,8 @@ class LayerSplit:
                 for a, b in zip(src.parameters(), dst.parameters(), strict=True):
                     b.copy_(a.to(b.device))
                     moved += a.numel() * a.element_size()
+        if getattr(self.second, "packed_weights", False):
+            s.pack_weights_for_cpu()  # the packed GEMM copies of the overwritten weights
         return moved
 
     def migrate(self, request) -> int:

@@ -1,4 +1,5 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, top logprobs.
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, top logprobs, logit bias
+and OpenAI's presence / frequency penalties.
 
 Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p.
 A seeded request gets its own generator seeded from ``(seed, position)``, so its tokens depend
@@ -8,10 +9,12 @@ draws the same token again. Stop strings, stop ids and length limits belong to t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's rule): logits / 1e-40 overflow to NaN
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant for combining seed and position
 _MASK63 = (1 << 63) - 1
 
@@ -37,6 +40,14 @@ class SampleRequest:
     seed: int | None = None
     logprobs: int | None = None
     position: int = 0
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    output_token_ids: Sequence[int] = ()  # the output so far (penalties count over it)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 def row_seed(seed: int, position: int) -> int:
@@ -63,21 +74,48 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return logits
 
 
+def apply_logit_adjustments(logits: torch.Tensor, params: list[SampleRequest]) -> torch.Tensor:
+    """OpenAI's adjustment, per row: ``mu[j] - c[j] * frequency - (c[j] > 0) * presence + bias[j]``.
+
+    ``c[j]`` counts token ``j`` in the row's output so far. Returns ``logits`` itself when no row adjusts.
+    """
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for i in rows:
+        p = params[i]
+        if p.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.as_tensor(list(p.output_token_ids), device=logits.device, dtype=torch.long)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[i] -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device, dtype=torch.long)
+            bias = torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+            logits[i].index_add_(0, ids, bias)
+    return logits
+
+
 def sample(
     logits: torch.Tensor, params: list[SampleRequest], generator: torch.Generator | None = None
 ) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """Pick one token per row of ``logits`` [S, V] (float32). Returns token ids and optional logprobs."""
+    """Pick one token per row of ``logits`` [S, V] (float32). Returns token ids and optional logprobs.
+
+    Logit bias and penalties shape the choice; logprobs are of the raw model distribution (vLLM's default).
+    """
     s = logits.shape[0]
     if s != len(params):
         raise ValueError(f"params: {len(params)} entries for {s} logit rows")
     if s == 0:
         return [], []
-    greedy_tokens = logits.argmax(dim=-1)
-    random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    adjusted = apply_logit_adjustments(logits, params)
+    greedy_tokens = adjusted.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if p.temperature >= SAMPLING_EPS]
     if random_rows:
         device = logits.device
         idx = torch.tensor(random_rows, device=device)
-        rows = logits.index_select(0, idx)
+        rows = adjusted.index_select(0, idx)
         temp = torch.tensor([params[i].temperature for i in random_rows], device=device, dtype=rows.dtype)
         top_k = torch.tensor([params[i].top_k for i in random_rows], device=device, dtype=torch.long)
         top_p = torch.tensor([params[i].top_p for i in random_rows], device=device, dtype=rows.dtype)

@@ -9,4 +9,6 @@ from __future__ import annotations
 EXPERIMENTS = {
     "queueing": "queueing-theory stability: mu from theory vs the simulator's saturation throughput",
     "elastic": "elastic KV reserve: chunk sizes vs elastic lending vs static overcommit",
+    "banaserve": "BanaServe: vLLM, DistServe and BanaServe (+ ablations) on 8 GPUs, SLO rate / throughput / latency",
+    "blendserve": "offline batch inference: blendserve vs DFS-ordered vLLM/SGLang/NanoFlow, LPM, balance",
 }

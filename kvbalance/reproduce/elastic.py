@@ -33,11 +33,11 @@ import numpy as np
 from kvbalance.engine import Instance, InstanceConfig, build_instance
 from kvbalance.executor.sim import SimExecutor
 from kvbalance.kvcache.elastic import ElasticConfig
-from kvbalance.metrics.report import plot_lines, write_table_csv
 from kvbalance.metrics.summary import to_json_value
 from kvbalance.perf import memory as er
 from kvbalance.perf.cost import CostModel
 from kvbalance.perf.memory import kv_capacity_tokens
+from kvbalance.reproduce import elastic_plots as plots
 from kvbalance.request import Request, RequestState, SamplingParams
 from kvbalance.sim.loop import simulate_instance
 from kvbalance.specs import get_gpu, get_model
@@ -306,72 +306,14 @@ def run(out_dir: Path, quick: bool) -> dict:
     ]
     reserve_rows = [reserve_share(m, tp, c) for m, tp in RESERVE_CASES for c in RESERVE_CHUNKS]
 
-    columns = [
-        "mode",
-        "ttft_median_s",
-        "ttft_max_s",
-        "kv_capacity_tokens",
-        "kv_capacity_lent_tokens",
-        "failed",
-        "oom_at_s",
-        "completed",
-        "preemptions",
-        "decode_only_share",
-        "lends",
-        "reclaims",
-        "drain_preemptions",
-        "switch_s",
-    ]
-    write_table_csv(out / "ttft.csv", to_json_value(ttft_rows), columns)
-    write_table_csv(out / "decode_pressure.csv", to_json_value(pressure), list(PRESSURE_COLUMNS))
-    write_table_csv(out / "decode_only_share.csv", to_json_value(share_rows))
-    write_table_csv(out / "reserve_share.csv", to_json_value(reserve_rows))
-
-    plot_lines(
+    plots.write_tables(out, ttft_rows, pressure, PRESSURE_COLUMNS, share_rows, reserve_rows)
+    plots.plot_long_prompt_ttft(
         out / "ttft_long_prompts.png",
-        {
-            r["mode"]: (list(range(1, len(r["long_ttfts_s"]) + 1)), r["long_ttfts_s"])
-            for r in ttft_rows
-            if r["long_ttfts_s"]
-        },
-        "long prompt (arrival order)",
-        "TTFT (s)",
+        ttft_rows,
         f"{MODEL} on {GPU}: TTFT of {NUM_LONG} ~25K-token prompts over {NUM_BACKGROUND} decodes",
     )
-    cap_series = {}
-    for label, tr in (
-        ("burst: elastic-32768 capacity", traces["elastic-32768"]),
-        ("pressure: elastic-32768 capacity", pressure_traces["elastic-32768"]),
-    ):
-        cap_series[label] = (tr["t"], tr["capacity"])
-    for label, tr in (
-        ("burst: static-32768 in use", traces["static-32768"]),
-        ("pressure: elastic-32768 in use", pressure_traces["elastic-32768"]),
-        ("pressure: chunk-32768 in use", pressure_traces["chunk-32768"]),
-    ):
-        cap_series[label] = (tr["t"], tr["used"])
-    plot_lines(
-        out / "kv_capacity.png",
-        cap_series,
-        "time (s)",
-        "KV tokens",
-        "KV pool: capacity (base + lent reserve) and blocks in use (live + cached)",
-        markers=False,
-    )
-    plot_lines(
-        out / "reserve_share.png",
-        {
-            case: (
-                [r["chunk_size"] for r in reserve_rows if r["case"] == case],
-                [r["reserve_share_of_kv"] for r in reserve_rows if r["case"] == case],
-            )
-            for case in dict.fromkeys(r["case"] for r in reserve_rows)
-        },
-        "prefill chunk (tokens)",
-        "reserve / (reserve + KV pool)",
-        f"Activation reserve's share of KV memory on {GPU}",
-        logx=True,
-    )
+    plots.plot_kv_capacity(out / "kv_capacity.png", traces, pressure_traces)
+    plots.plot_reserve_share(out / "reserve_share.png", reserve_rows, GPU)
 
     results = {
         "experiment": "elastic",

@@ -23,16 +23,15 @@ from typing import Any
 
 import numpy as np
 
+from kvbalance.cluster.replicas import measure_saturation, simulate_replicas
 from kvbalance.metrics.report import plot_lines, write_table_csv
 from kvbalance.metrics.summary import to_json_value
 from kvbalance.sim.run import SimulateConfig
 from kvbalance.theory.measure import (
     WorkloadArea,
-    measure_saturation,
     mixed_requests,
     mixture_area,
     queue_growth,
-    simulate_replicas,
     throughput_bounds,
     workload_area,
 )

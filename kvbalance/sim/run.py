@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvbalance.engine import Instance, InstanceConfig, build_instance
 from kvbalance.executor.sim import SimExecutor
+from kvbalance.kvcache.connector import KVConnector
 from kvbalance.kvcache.elastic import ElasticConfig
 from kvbalance.metrics.summary import summarize, write_requests_csv, write_summary_json
 from kvbalance.metrics.timeline import Timeline
@@ -106,9 +108,12 @@ class SimulationResult:
         return self.run.requests
 
 
-def build_sim_instance(cfg: SimulateConfig) -> tuple[Instance, CostModel]:
+def build_sim_instance(
+    cfg: SimulateConfig, connector: KVConnector | None = None
+) -> tuple[Instance, CostModel]:
     """The instance a simulated run serves with: KV capacity from the GPU memory left after weights and
-    the activation reserve at the policy's token budget (or ``kv_tokens``), on the cost model."""
+    the activation reserve at the policy's token budget (or ``kv_tokens``), on the cost model.
+    ``connector``: the KV connector's scheduler half (a cluster's P/D or store connector; none by default)."""
     model = get_model(cfg.model)
     cost = CostModel(model, cfg.gpu, cfg.tp)
     max_context = min(cfg.max_context or model.max_context, model.max_context)
@@ -133,7 +138,7 @@ def build_sim_instance(cfg: SimulateConfig) -> tuple[Instance, CostModel]:
         max_context=max_context,
         elastic=elastic,
     )
-    return build_instance(icfg, SimExecutor(cost)), cost
+    return build_instance(icfg, SimExecutor(cost), connector), cost
 
 
 def run_simulation(
@@ -170,35 +175,52 @@ def run_simulation(
             outcome.result.duration_s,
         )
 
-    bar = None
-    on_finish = None
-    if progress:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        bar = Progress(
-            TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
-        )
-        task = bar.add_task("sim", total=len(requests))
-        done = [0]
-
-        def on_finish(req):
-            done[0] += 1
-            if done[0] % 50 == 0 or done[0] == len(requests):
-                bar.update(task, completed=done[0])
-
-        bar.start()
-    try:
+    with _progress_bar(len(requests) if progress else None) as on_finish:
         run = simulate_instance(inst, requests, on_step=on_step, on_finish=on_finish)
+    summary = _summarize_run(cfg, inst, run, timeline, cap)
+    if out_dir is not None:
+        _write_run_files(cfg, Path(out_dir), run, summary, timeline, report)
+    return SimulationResult(cfg, summary, run, timeline, inst)
+
+
+@contextmanager
+def _progress_bar(total: int | None):
+    """A rich progress bar over ``total`` finished requests, yielding its ``on_finish`` hook (None: no bar)."""
+    if total is None:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
+    )
+    task = bar.add_task("sim", total=total)
+    done = [0]
+
+    def on_finish(req):
+        done[0] += 1
+        if done[0] % 50 == 0 or done[0] == total:
+            bar.update(task, completed=done[0])
+
+    bar.start()
+    try:
+        yield on_finish
     finally:
-        if bar is not None:
-            bar.stop()
+        bar.stop()
+
+
+def _summarize_run(
+    cfg: SimulateConfig, inst: Instance, run: SimRun, timeline: Timeline, start_kv_capacity_tokens: int
+) -> dict:
+    """The run's metrics (``summarize`` on the instance's own counters) plus the config keys that name it;
+    ``start_kv_capacity_tokens`` is the capacity before the run (an elastic reserve moves it during the run)."""
     load = inst.load()
     extra: dict = {}
     if inst.elastic is not None:
         extra["elastic"] = inst.elastic.stats(run.makespan_s)
-    summary = summarize(
+    return summarize(
         run.requests,
-        kv_capacity_tokens=cap,
+        kv_capacity_tokens=start_kv_capacity_tokens,
         timeline=timeline,
         ttft_slo_s=cfg.ttft_slo_s,
         tpot_slo_s=cfg.tpot_slo_s,
@@ -217,19 +239,22 @@ def run_simulation(
             "num_steps": run.num_steps,
         },
     )
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        write_summary_json(out / "summary.json", summary)
-        write_requests_csv(out / "requests.csv", run.requests)
-        timeline.to_csv(out / "timeline.csv", max_rows=20_000)
-        if report:
-            from kvbalance.metrics.report import write_report_png
 
-            write_report_png(
-                out / "report.png",
-                run.requests,
-                timeline,
-                f"{cfg.model} on {cfg.gpu} x{cfg.tp}, {cfg.workload}",
-            )
-    return SimulationResult(cfg, summary, run, timeline, inst)
+
+def _write_run_files(
+    cfg: SimulateConfig, out: Path, run: SimRun, summary: dict, timeline: Timeline, report: bool
+) -> None:
+    """summary.json, requests.csv, timeline.csv and (with ``report``) report.png under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_summary_json(out / "summary.json", summary)
+    write_requests_csv(out / "requests.csv", run.requests)
+    timeline.to_csv(out / "timeline.csv", max_rows=20_000)
+    if report:
+        from kvbalance.metrics.report import write_report_png
+
+        write_report_png(
+            out / "report.png",
+            run.requests,
+            timeline,
+            f"{cfg.model} on {cfg.gpu} x{cfg.tp}, {cfg.workload}",
+        )

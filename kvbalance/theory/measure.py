@@ -3,25 +3,23 @@
 The theory's mu = M / (b E[g(s, o)]) needs a batch time b; the paper takes the median measured batch time
 (a 10%-trimmed mean for heavy tails). Here b comes from a saturated simulated run of the same instance, and the
 same run's steady throughput (completions per second between the 10th and 90th percentile completion times,
-so warm-up and drain are left out) is the simulator's own mu. ``simulate_replicas`` drives several data-parallel
-instances on one event loop behind a router; ``queue_growth`` fits the waiting-queue trend over the arrival
+so warm-up and drain are left out) is the simulator's own mu (``saturation_from_run``; the runs themselves,
+one instance or several data-parallel replicas, come from ``cluster/replicas.py``); ``queue_growth`` fits the waiting-queue trend over the arrival
 period (bounded below mu (1 - delta), growing about linearly above mu).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 
-from kvbalance.metrics.summary import summarize, to_json_value
+from kvbalance.metrics.summary import to_json_value
 from kvbalance.metrics.timeline import Timeline
-from kvbalance.request import Request, RequestState
-from kvbalance.sim.loop import EventLoop, InstanceDriver
-from kvbalance.sim.run import SimulateConfig, build_sim_instance
+from kvbalance.request import Request
 from kvbalance.theory.stability import (
     batch_time_estimate,
     memory_time_area,
@@ -30,7 +28,6 @@ from kvbalance.theory.stability import (
 )
 from kvbalance.workloads.presets import build_requests, describe_workload
 
-Router = Literal["round_robin", "least_loaded"]
 BEstimator = Literal["median", "trimmed_mean", "mean"]
 B_ESTIMATORS = ("median", "trimmed_mean", "mean")
 
@@ -183,126 +180,6 @@ def window_step_times(timeline: Timeline, t_lo: float, t_hi: float) -> np.ndarra
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Several data-parallel instances on one event loop
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ReplicaRun:
-    """Result of ``simulate_replicas``: requests, one timeline per instance, and the pooled summary."""
-
-    config: SimulateConfig
-    requests: list[Request]
-    timelines: list[Timeline]
-    instances: list
-    summary: dict
-    assignment: dict[str, int] = field(default_factory=dict)  # request id -> instance index
-
-    def finish_times(self) -> np.ndarray:
-        return np.array(
-            [r.finish_s for r in self.requests if r.state is RequestState.FINISHED], dtype=np.float64
-        )
-
-    def waiting(self) -> tuple[np.ndarray, np.ndarray]:
-        """(time_s, waiting requests summed over instances), on the union of step start times."""
-        if len(self.timelines) == 1:
-            return self.timelines[0].queue_length()
-        times = np.unique(np.concatenate([tl.column("time_s") for tl in self.timelines]))
-        total = np.zeros_like(times)
-        for tl in self.timelines:
-            t, w = tl.queue_length()
-            if len(t) == 0:
-                continue
-            idx = np.searchsorted(t, times, side="right") - 1
-            total += np.where(idx >= 0, w[np.maximum(idx, 0)], 0.0)
-        return times, total
-
-
-def simulate_replicas(
-    cfg: SimulateConfig,
-    requests: list[Request] | None = None,
-    *,
-    num_instances: int = 1,
-    router: Router = "least_loaded",
-) -> ReplicaRun:
-    """Serve ``requests`` (default: built from ``cfg``) on ``num_instances`` copies of ``cfg``'s instance.
-
-    All instances share one ``EventLoop``; on arrival the router picks an instance: ``round_robin`` cycles,
-    ``least_loaded`` takes the one with the fewest queued + running requests (ties: lowest index), so the
-    result is deterministic. With one instance this is exactly ``simulate_instance``.
-    """
-    if num_instances < 1:
-        raise ValueError(f"num_instances: must be >= 1, got {num_instances}")
-    if router not in ("round_robin", "least_loaded"):
-        raise ValueError(f"router: must be 'round_robin' or 'least_loaded', got {router!r}")
-    instances = []
-    for i in range(num_instances):
-        inst, _ = build_sim_instance(cfg)
-        inst.name = f"instance-{i}"
-        instances.append(inst)
-    if requests is None:
-        requests = build_requests(
-            cfg.workload,
-            cfg.num_requests,
-            cfg.rate,
-            cfg.seed,
-            instances[0].max_context,
-            arrival=cfg.arrival,
-            cv=cfg.cv,
-            time_scale=cfg.time_scale,
-        )
-    loop = EventLoop()
-    timelines = [Timeline(inst.name) for inst in instances]
-
-    def recorder(tl: Timeline) -> Callable:
-        def on_step(driver, outcome, now):
-            s = driver.instance.scheduler
-            tl.record(
-                outcome.start_s,
-                s.num_running,
-                s.num_waiting,
-                s.kv_used_tokens,
-                driver.instance.kv_capacity_tokens,
-                outcome.plan.num_tokens,
-                outcome.result.duration_s,
-            )
-
-        return on_step
-
-    drivers = [InstanceDriver(loop, inst, on_step=recorder(tl)) for inst, tl in zip(instances, timelines)]
-    assignment: dict[str, int] = {}
-    counter = [0]
-
-    def route(req: Request) -> None:
-        if router == "round_robin":
-            i = counter[0] % num_instances
-            counter[0] += 1
-        else:
-            loads = [d.instance.scheduler.num_waiting + d.instance.scheduler.num_running for d in drivers]
-            i = int(np.argmin(loads))
-        assignment[req.request_id] = i
-        drivers[i].arrive(req)
-
-    for req in requests:
-        loop.at(req.arrival_s, route, req)
-    loop.run()
-    summary = summarize(
-        requests,
-        kv_capacity_tokens=sum(inst.kv_capacity_tokens for inst in instances),
-        timeline=timelines,
-        ttft_slo_s=cfg.ttft_slo_s,
-        tpot_slo_s=cfg.tpot_slo_s,
-        preemptions=sum(inst.scheduler.num_preemptions for inst in instances),
-        extra={
-            "num_instances": num_instances,
-            "router": router,
-            "num_steps": sum(i.num_steps for i in instances),
-        },
-    )
-    return ReplicaRun(cfg, list(requests), timelines, instances, summary, assignment)
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Saturation: b and the simulator's own mu from one overloaded run
 # ---------------------------------------------------------------------------------------------------------
 
@@ -320,7 +197,7 @@ class Saturation:
     kv_usage_window: float  # mean KV used / capacity over the steps in the window (step-time weighted)
     running_median: float  # median batch size (requests) inside the window
     summary: dict
-    run: ReplicaRun
+    run: Any  # the ReplicaRun it was measured from
     step_times_s: np.ndarray  # the window's step durations, all instances
 
     def to_dict(self) -> dict[str, Any]:
@@ -345,19 +222,13 @@ class Saturation:
         )
 
 
-def measure_saturation(
-    cfg: SimulateConfig,
-    requests: list[Request] | None = None,
-    *,
-    num_instances: int = 1,
-    router: Router = "round_robin",
-) -> Saturation:
-    """Run ``cfg`` (use rate inf or well above mu) and measure throughput and b in the steady window.
+def saturation_from_run(run: Any, num_instances: int) -> Saturation:
+    """Steady throughput and b of a saturated run (``cluster.replicas.measure_saturation`` makes one).
 
-    Warm-up (the batch filling up) and drain (the last requests finishing on an emptying batch) are left out
-    by keeping only completions and steps between the 10th and 90th percentile completion times.
+    ``run`` has ``finish_times()``, ``timelines``, ``requests`` and ``summary`` (a ``ReplicaRun``). Warm-up
+    and drain are left out by keeping only completions and steps between the 10th and 90th percentile
+    completion times.
     """
-    run = simulate_replicas(cfg, requests, num_instances=num_instances, router=router)
     finish = run.finish_times()
     t10, t90 = steady_window(finish)
     thr = run.summary["steady_throughput_rps"]

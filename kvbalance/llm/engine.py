@@ -1,11 +1,7 @@
-"""The real engine: an Instance over the PyTorch executor, with tokenizer, stop strings and streaming.
+"""LLMEngine: an Instance over the PyTorch executor, with tokenizer, stop strings and streaming.
 
-``LLMEngine`` runs the same scheduler and KV cache as the simulator on the wall clock;
-``LLM`` is the offline API on top of it::
-
-    from kvbalance import LLM, SamplingParams
-    llm = LLM(model="smollm2-135m")
-    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+``LLMEngine`` runs the same scheduler and KV cache as the simulator on the wall clock; each ``step()``
+returns the new tokens and text of every request that sampled (:class:`RequestOutput`).
 """
 
 from __future__ import annotations
@@ -13,10 +9,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvbalance.engine import InstanceConfig, build_instance
-from kvbalance.request import Request, RequestState, SamplingParams
+from kvbalance.llm.text import Detokenizer, emit_delta, find_stop
+from kvbalance.request import Request, SamplingParams
 
 
 @dataclass
@@ -30,42 +27,6 @@ class RequestOutput:
     finish_reason: str | None
     request: Request
     text: str = ""  # all output text so far (stop strings cut off)
-
-
-@dataclass
-class CompletionOutput:
-    """A finished generation, as returned by :meth:`LLM.generate`."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    logprobs: list = field(default_factory=list)
-    metrics: dict = field(default_factory=dict)
-
-
-class _Detok:
-    """Incremental detokenisation with a small window (holds back incomplete UTF-8 sequences)."""
-
-    __slots__ = ("prefix_offset", "read_offset", "text", "sent")
-
-    def __init__(self) -> None:
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.text = ""
-        self.sent = 0  # characters of ``text`` already emitted as deltas
-
-    def step(self, tokenizer, ids: list[int]) -> str:
-        prefix = tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=True)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            delta = full[len(prefix) :]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(ids)
-            self.text += delta
-            return delta
-        return ""
 
 
 class LLMEngine:
@@ -126,7 +87,7 @@ class LLMEngine:
         self.instance = build_instance(icfg, self.executor)
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.requests: dict[str, Request] = {}
-        self._detok: dict[str, _Detok] = {}
+        self._detok: dict[str, Detokenizer] = {}
         self._ids = itertools.count()
         self._t0 = time.perf_counter()
         self.step_log: list[tuple[int, int, float, float]] = []  # (tokens, seqs, duration_s, forward_s)
@@ -175,7 +136,7 @@ class LLMEngine:
         )
         if self.instance.add_request(req, self.now()):
             self.requests[rid] = req
-            self._detok[rid] = _Detok()
+            self._detok[rid] = Detokenizer()
         return req
 
     def abort(self, request_id: str) -> None:
@@ -232,32 +193,13 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _emit(req: Request, detok: _Detok) -> str:
-        """New text safe to send: text that could still turn out to start a stop string is held back."""
-        end = len(detok.text)
-        if req.sampling.stop and not req.is_finished:
-            text = detok.text
-            for stop in req.sampling.stop:
-                for k in range(min(len(stop) - 1, len(text)), 0, -1):
-                    if text.endswith(stop[:k]):
-                        end = min(end, len(text) - k)
-                        break
-        end = max(end, detok.sent)
-        delta = detok.text[detok.sent : end]
-        detok.sent = end
-        return delta
+    def _emit(req: Request, detok: Detokenizer) -> str:
+        return emit_delta(detok, req.sampling.stop, req.is_finished)
 
-    def _apply_stop_strings(self, req: Request, detok: _Detok, added: int) -> None:
-        text = detok.text
-        window = max(len(s) for s in req.sampling.stop) + added
-        tail_start = max(0, len(text) - window)
-        cut = None
-        for stop in req.sampling.stop:
-            i = text.find(stop, tail_start)
-            if i != -1 and (cut is None or i < cut):
-                cut = i
+    def _apply_stop_strings(self, req: Request, detok: Detokenizer, added: int) -> None:
+        cut = find_stop(detok.text, req.sampling.stop, added)
         if cut is not None:
-            detok.text = text[:cut]
+            detok.text = detok.text[:cut]
             self.instance.finish_request(req, "stop", self.now())
 
     def text_of(self, request_id: str) -> str:
@@ -269,89 +211,3 @@ class LLMEngine:
             self.step()
             if progress is not None:
                 progress()
-
-
-class LLM:
-    """Offline batch generation: ``LLM(model=...).generate(prompts, params)``."""
-
-    def __init__(self, model: str = "smollm2-135m", **engine_kwargs) -> None:
-        self.engine = LLMEngine(model, **engine_kwargs)
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        use_progress: bool = False,
-    ) -> list[CompletionOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        return self._run([self.engine.encode(p) for p in prompts], params, use_progress)
-
-    def chat(
-        self,
-        messages: list[dict] | Sequence[list[dict]],
-        sampling_params: SamplingParams | None = None,
-        *,
-        use_progress: bool = False,
-    ) -> list[CompletionOutput]:
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        ids = [self.engine.chat_prompt(m) for m in conversations]
-        return self._run(ids, [sampling_params or SamplingParams()] * len(ids), use_progress)
-
-    def _run(
-        self, ids: list[list[int]], params: list[SamplingParams], use_progress: bool
-    ) -> list[CompletionOutput]:
-        eng = self.engine
-        reqs = [eng.add_request(p, sp) for p, sp in zip(ids, params)]
-        texts: dict[str, str] = {}
-        if use_progress:
-            from rich.progress import Progress
-
-            with Progress(transient=True) as bar:
-                task = bar.add_task("generating", total=len(reqs))
-                while eng.has_unfinished():
-                    for out in eng.step():
-                        if out.finished:
-                            texts[out.request_id] = out.text
-                            bar.advance(task)
-        else:
-            while eng.has_unfinished():
-                for out in eng.step():
-                    if out.finished:
-                        texts[out.request_id] = out.text
-        results = []
-        for r in reqs:
-            if r.state is RequestState.REJECTED:
-                raise ValueError(f"prompt {r.request_id}: {r.reject_reason}")
-            text = texts.get(r.request_id)
-            if text is None:
-                text = (
-                    eng.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
-                    if eng.tokenizer is not None
-                    else ""
-                )
-            eng._detok.pop(r.request_id, None)
-            results.append(
-                CompletionOutput(
-                    r.request_id,
-                    list(r.prompt_token_ids),
-                    list(r.output_token_ids),
-                    text,
-                    r.finish_reason,
-                    list(r.output_logprobs),
-                    {"ttft_s": r.ttft_s, "e2e_s": r.e2e_s},
-                )
-            )
-        return results

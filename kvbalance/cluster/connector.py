@@ -1,0 +1,69 @@
+"""The cluster's KV connector (scheduler half) on each instance, routing its calls to the P/D hand-off
+(``disagg.py``) and the global KV store (``store_connector.py``).
+
+One ``ClusterConnector`` per instance implements ``kvcache.connector.KVConnector``: a decode instance is
+offered a prefilled request's prompt KV as external tokens (loaded asynchronously: the request waits in
+WAITING_FOR_KV holding its blocks); a prefill or colocated instance with a store is offered the stored
+prefix past its local hit; a prefill instance's ``request_finished`` keeps a handed-off request's blocks
+until the save lands. Transfers are timed by the cluster on its links (not by the executor), so completions
+arrive between steps and are reported with ``report_transfers``.
+"""
+
+from __future__ import annotations
+
+from kvbalance.batch import BatchPlan
+from kvbalance.engine import Instance
+from kvbalance.kvcache.prefix import prefix_block_hashes
+from kvbalance.request import Request
+
+
+def prompt_hashes(req: Request, block_size: int, num_tokens: int) -> list[int]:
+    """Chained hashes of the full blocks among the prompt's first ``num_tokens`` tokens."""
+    return prefix_block_hashes(
+        req.prompt_token_ids, block_size, 0, 0, min(num_tokens, req.num_prompt_tokens) // block_size
+    )
+
+
+def report_transfers(inst: Instance, finished_loads: list[str], finished_saves: list[str]) -> None:
+    """The worker half finished these transfers between steps (the cluster's link model).
+
+    Workaround: ``Instance`` has no public call for completions that land outside a step, so this uses the
+    scheduler's ``_apply_transfers`` (what ``update`` does with ``StepResult.finished_loads/saves``).
+    Asked of the lead: ``Instance.transfers_done(finished_loads, finished_saves)``.
+    """
+    inst.scheduler._apply_transfers(list(finished_loads), list(finished_saves))
+
+
+class ClusterConnector:
+    def __init__(self, cluster, role: str) -> None:
+        self.cluster = cluster
+        self.role = role
+        self.member = None  # set when the member is built
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        c = self.cluster
+        if self.role == "decode":
+            return c.pd.matched(self.member, request, num_computed_tokens)
+        if c.store is not None:
+            return c.store.matched(self.member, request, num_computed_tokens)
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        if num_external_tokens <= 0:
+            return
+        if self.role == "decode":
+            self.cluster.pd.start_load(self.member, request, num_external_tokens)
+        else:
+            self.cluster.store.start_fetch(self.member, request, num_external_tokens)
+
+    def build_connector_meta(self, plan: BatchPlan) -> None:
+        return None  # transfers are timed on the cluster's links, not inside the step
+
+    def update_connector_output(self, finished_loads: list[str], finished_saves: list[str]) -> None:
+        return None
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        pd = self.cluster.pd
+        return self.role == "prefill" and pd is not None and pd.holds_for(self.member, request, block_ids)

@@ -1,0 +1,336 @@
+"""A cluster of instances on one simulated clock: roles, routing, P/D hand-off, per-instance utilisation.
+
+Each member is a backbone ``Instance`` with a role — ``colocated`` (prefill and decode), ``prefill`` or
+``decode`` — on a tuple of GPUs of the ``Topology`` (its tensor-parallel group). New requests go to a
+prefill or colocated member chosen by the router (``cluster/routers``) from ``Instance.load()`` snapshots;
+on disaggregated deployments a prefilled request's KV moves to a decode member through the P/D connector
+(``cluster/disagg.py``); with a global KV store (``kvcache/store.py``) prefill and colocated members save
+prompts to it and fetch stored prefixes from it (``cluster/store_connector.py``). All members share one ``EventLoop`` (``sim/loop.py``, which stays single-instance:
+one ``InstanceDriver`` per member), so the same seed gives the same run bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvbalance.cluster.connector import ClusterConnector
+from kvbalance.cluster.monitor import UtilizationMonitor
+from kvbalance.cluster.routers import Router, build_router
+from kvbalance.cluster.topology import Topology
+from kvbalance.cluster.utilization import busy_fraction, busy_fraction_series, hot_spot_ratio
+from kvbalance.engine import Instance, InstanceLoad, StepOutcome
+from kvbalance.kvcache.store import GlobalKVStore
+from kvbalance.metrics.timeline import Timeline
+from kvbalance.request import Request, RequestState
+from kvbalance.sim.loop import EventLoop, InstanceDriver
+from kvbalance.sim.run import SimulateConfig, build_sim_instance
+
+Role = Literal["colocated", "prefill", "decode"]
+
+
+def gpu_name(g: int) -> str:
+    """The monitor's name of GPU ``g``."""
+    return f"gpu{g}"
+
+
+ROLES = ("colocated", "prefill", "decode")
+
+
+@dataclass
+class Member:
+    """One instance of the cluster, its role and GPUs, and what it did (steps, for busy fractions)."""
+
+    index: int
+    role: Role
+    gpus: tuple[int, ...]
+    instance: Instance
+    timeline: Timeline = field(init=False)
+    step_starts_s: list[float] = field(default_factory=list)
+    step_durations_s: list[float] = field(default_factory=list)
+    driver: InstanceDriver | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role: must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.gpus:
+            raise ValueError(f"gpus: member {self.index} has no GPU")
+        self.timeline = Timeline(self.instance.name)
+
+    @property
+    def name(self) -> str:
+        return self.instance.name
+
+
+@dataclass
+class ClusterRun:
+    """Result of ``Cluster.run``: the requests, the members, and where each request was routed."""
+
+    requests: list[Request]
+    members: list[Member]
+    assignment: dict[str, int]  # request id -> member index of its prefill (or colocated) instance
+    decode_assignment: dict[str, int]  # request id -> member index of its decode instance (P/D only)
+    span_s: float  # first arrival -> last finish
+
+    @property
+    def timelines(self) -> list[Timeline]:
+        return [m.timeline for m in self.members]
+
+    def busy_fractions(self) -> dict[str, float]:
+        return {m.name: busy_fraction(m.step_durations_s, self.span_s) for m in self.members}
+
+    def hot_spot_ratio(self) -> dict[str, float]:
+        """max / min busy fraction across members of the same role."""
+        return hot_spot_ratio(self.busy_fractions(), {m.name: m.role for m in self.members})
+
+    def busy_series(self, window_s: float) -> dict[str, tuple[Any, Any]]:
+        """Per member: (window start times, busy fraction per window) over the run."""
+        end = max((r.finish_s or 0.0) for r in self.requests) if self.requests else 0.0
+        return {
+            m.name: busy_fraction_series(m.step_starts_s, m.step_durations_s, end, window_s)
+            for m in self.members
+        }
+
+    def instance_rows(self) -> list[dict[str, Any]]:
+        busy = self.busy_fractions()
+        rows = []
+        for m in self.members:
+            served = sum(1 for i in self.assignment.values() if i == m.index)
+            served += sum(1 for i in self.decode_assignment.values() if i == m.index)
+            rows.append(
+                {
+                    "instance": m.name,
+                    "role": m.role,
+                    "gpus": list(m.gpus),
+                    "requests": served,
+                    "steps": m.instance.num_steps,
+                    "busy_fraction": busy[m.name],
+                    "kv_usage_mean": m.timeline.kv_usage_mean() if len(m.timeline) else 0.0,
+                    "preemptions": m.instance.load().num_preemptions,
+                }
+            )
+        return rows
+
+
+class Cluster:
+    """Members on one clock behind a router; ``run(requests)`` serves them all and returns a ``ClusterRun``.
+
+    ``router`` picks among prefill and colocated members; ``decode_router`` (default ``least_loaded``)
+    among decode members when a prefilled request's KV is handed off. ``pd_options`` go to the P/D
+    connector (e.g. ``layerwise_transfer``).
+    """
+
+    def __init__(
+        self,
+        members: Sequence[Member],
+        topology: Topology,
+        *,
+        router: str | Router = "least_loaded",
+        router_options: dict[str, Any] | None = None,
+        decode_router: str | Router = "least_loaded",
+        pd_options: dict[str, Any] | None = None,
+        store: GlobalKVStore | None = None,
+        check_invariants: bool = False,
+        on_finish: Callable[[Request], None] | None = None,
+        monitor: UtilizationMonitor | None = None,
+        control_interval_s: float = 0.5,
+        on_tick: Callable[[Cluster, float, dict], None] | None = None,
+    ) -> None:
+        self.members = list(members)
+        if not self.members:
+            raise ValueError("members: a cluster needs at least one instance")
+        self.topology = topology
+        for m in self.members:
+            for g in m.gpus:
+                topology.node_of(g)  # validates the index
+        self.loop = EventLoop()
+        self.frontends = [m for m in self.members if m.role in ("colocated", "prefill")]
+        self.decoders = [m for m in self.members if m.role == "decode"]
+        has_prefill = any(m.role == "prefill" for m in self.members)
+        if not self.frontends:
+            raise ValueError("members: need at least one prefill or colocated instance")
+        if has_prefill != bool(self.decoders):
+            raise ValueError("members: prefill instances need decode instances and vice versa")
+        bs = self.members[0].instance.pool.block_size
+        if any(m.instance.pool.block_size != bs for m in self.members):
+            raise ValueError("block_size: every instance of a cluster must use the same KV block size")
+        self.block_size = bs
+        self.router = (
+            router if isinstance(router, Router) else build_router(router, bs, **(router_options or {}))
+        )
+        self.decode_router = (
+            decode_router if isinstance(decode_router, Router) else build_router(decode_router, bs)
+        )
+        self.check_invariants = check_invariants
+        self._on_finish = on_finish
+        self.assignment: dict[str, int] = {}
+        self.decode_assignment: dict[str, int] = {}
+        self.pd = None
+        if self.decoders:
+            from kvbalance.cluster.disagg import PDConnector
+
+            self.pd = PDConnector(self, **(pd_options or {}))
+        self.store = None
+        if store is not None:
+            from kvbalance.cluster.store_connector import StoreConnector
+
+            self.store = StoreConnector(self, store)
+        for m in self.members:
+            conn = m.instance.scheduler.connector
+            if isinstance(conn, ClusterConnector):
+                conn.cluster, conn.member = self, m
+            elif m.role != "colocated" or self.store is not None:
+                raise ValueError(
+                    f"members: {m.name} was built without a ClusterConnector (use cluster.core.sim_member)"
+                )
+        # per-GPU utilisation (``cluster/monitor.py``) sampled every ``control_interval_s``; ``on_tick`` is
+        # where a controller acts on it. TODO(migration): the adaptive migrator (``cluster/migration.py``)
+        # plugs in as an on_tick that calls migrator.step(now, snapshot, candidates, on_finish=apply).
+        self.monitor = monitor
+        self.control_interval_s = control_interval_s
+        self.on_tick = on_tick
+        if monitor is not None:
+            if not control_interval_s > 0:
+                raise ValueError(f"control_interval_s: must be > 0, got {control_interval_s}")
+            for m in self.members:
+                for g in m.gpus:
+                    monitor.add_gpu(gpu_name(g))
+        for m in self.members:
+            m.driver = InstanceDriver(
+                self.loop, m.instance, on_step=self._step_hook(m), on_finish=self._finish_hook(m)
+            )
+
+    # -- loads ------------------------------------------------------------------
+    def load(self, m: Member) -> InstanceLoad:
+        """``Instance.load()``: requests whose KV is arriving count as ``num_loading`` there."""
+        return m.instance.load()
+
+    def loads(self, members: Sequence[Member]) -> list[InstanceLoad]:
+        return [self.load(m) for m in members]
+
+    def check_member(self, m: Member) -> None:
+        """Block accounting of one member (with the P/D hand-off's holds counted as holders)."""
+        m.instance.check_invariants()  # the scheduler counts blocks held for saves and loads
+
+    # -- events -----------------------------------------------------------------
+    def _arrive(self, req: Request) -> None:
+        i = self.router.choose(req, self.loads(self.frontends))
+        m = self.frontends[i]
+        self.assignment[req.request_id] = m.index
+        if m.role == "prefill":
+            reason = self.pd.rejection_reason(req)
+            if reason is not None:
+                req.state, req.reject_reason, req.finish_s = RequestState.REJECTED, reason, self.loop.now
+                self._finished(req)
+                return
+            self.pd.begin_prefill(req)
+        m.driver.arrive(req)
+
+    def _step_hook(self, m: Member) -> Callable:
+        tl = m.timeline
+        inst = m.instance
+        sched = inst.scheduler
+
+        def on_step(driver: InstanceDriver, outcome: StepOutcome, now: float) -> None:
+            m.step_starts_s.append(outcome.start_s)
+            m.step_durations_s.append(outcome.result.duration_s)
+            tl.record(
+                outcome.start_s,
+                sched.num_running,
+                sched.num_waiting,
+                sched.kv_used_tokens,
+                inst.kv_capacity_tokens,
+                outcome.plan.num_tokens,
+                outcome.result.duration_s,
+            )
+            if self.monitor is not None:
+                kv = inst.kv_used_tokens / inst.kv_capacity_tokens if inst.kv_capacity_tokens else 0.0
+                for g in m.gpus:
+                    self.monitor.record_step(gpu_name(g), outcome.start_s, outcome.result.breakdown,
+                                             outcome.result.duration_s)  # fmt: skip
+                    self.monitor.record_kv(gpu_name(g), min(1.0, kv))
+            if self.pd is not None:
+                self.pd.on_step(m, outcome)
+            if self.store is not None and m.role != "decode":
+                self.store.on_step(m, outcome)
+            if self.check_invariants:
+                self.check_member(m)
+
+        return on_step
+
+    def _finish_hook(self, m: Member) -> Callable:
+        def on_finish(req: Request) -> None:
+            if m.role == "prefill" and self.pd.handles(req):
+                self.pd.prefill_done(m, req)
+                return
+            self._finished(req)
+
+        return on_finish
+
+    def wake(self, m: Member) -> None:
+        """A transfer landed on an idle member: let it step again."""
+        if not m.driver.busy and m.instance.has_work():
+            m.driver.kick()
+
+    def _finished(self, req: Request) -> None:
+        if self._on_finish is not None:
+            self._on_finish(req)
+
+    def abort(self, req: Request) -> None:
+        """Client abort, wherever the request is: queued or running on its prefill (or colocated) member,
+        waiting for or loading its KV on a decode member, or decoding. Blocks a transfer still uses are
+        held until it lands; nothing is lost or freed twice."""
+        if req.is_finished:
+            return
+        now = self.loop.now
+        rid = req.request_id
+        dst = self.decode_assignment.get(rid)
+        if dst is not None:
+            self.members[dst].instance.abort(req, now)
+            if self.pd is not None:
+                self.pd.aborted_on_decode(req)
+        elif rid in self.assignment:
+            src = self.members[self.assignment[rid]]
+            src.instance.abort(req, now)
+            if self.pd is not None and self.pd.handles(req):
+                self.pd.aborted_on_prefill(src, req)
+        self._finished(req)
+
+    # -- running ----------------------------------------------------------------
+    def _tick(self) -> None:
+        """Sample the monitor (kept in its history) and run the controller, while anything is left to do."""
+        now = self.loop.now
+        snap = self.monitor.sample(now)
+        if self.on_tick is not None:
+            self.on_tick(self, now, snap)
+        if len(self.loop):  # other events pending: the run is not over
+            self.loop.at(now + self.control_interval_s, self._tick)
+
+    def submit(self, req: Request) -> None:
+        self.loop.at(req.arrival_s, self._arrive, req)
+
+    def run(self, requests: Sequence[Request]) -> ClusterRun:
+        reqs = list(requests)
+        for req in reqs:
+            self.submit(req)
+        if self.monitor is not None:
+            self.loop.at(self.loop.now, self._tick)
+        self.loop.run()
+        for conn in (self.pd, self.store):
+            if conn is not None:
+                conn.check_drained()
+        first = min((r.arrival_s for r in reqs), default=0.0)
+        last = max((r.finish_s for r in reqs if r.finish_s is not None), default=first)
+        span = last - first if last > first else math.inf
+        return ClusterRun(reqs, self.members, dict(self.assignment), dict(self.decode_assignment), span)
+
+
+def sim_member(
+    index: int, role: Role, gpus: tuple[int, ...], sim: SimulateConfig, name: str | None = None
+) -> Member:
+    """A member on the cost model: ``sim``'s instance with ``tp = len(gpus)`` and the cluster's connector."""
+    inst, _ = build_sim_instance(sim.model_copy(update={"tp": len(gpus)}), ClusterConnector(None, role))
+    inst.name = name or f"{role}-{index}"
+    return Member(index, role, tuple(gpus), inst)

@@ -1,0 +1,45 @@
+"""The router interface: pick one of the candidate instances for a new request from their load snapshots.
+
+Routers are one class per file behind ``ROUTERS`` (``kvbalance.registry.Registry``); CLI choices and errors
+come from ``ROUTERS.names()``. A router sees only ``InstanceLoad`` snapshots (one per candidate, in a fixed
+order) and the request; routers that keep an approximate picture of where prefixes live (``cache_aware``,
+``kv_aware``) build it from their own routing decisions, as sgl-router and Dynamo's approximate mode do.
+Ties break to the lowest index, so routing is deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvbalance.engine import InstanceLoad
+from kvbalance.registry import Registry
+from kvbalance.request import Request
+
+ROUTERS: Registry = Registry("router", "kvbalance.cluster.routers")
+
+
+class Router:
+    """Base class: ``choose`` returns an index into ``loads``; ``block_size`` is the cluster's KV block size."""
+
+    def __init__(self, block_size: int = 16) -> None:
+        self.block_size = block_size
+
+    def choose(self, req: Request, loads: Sequence[InstanceLoad]) -> int:
+        raise NotImplementedError
+
+    def forget(self, req: Request, index: int) -> None:
+        """The request finished on candidate ``index`` (routers that count in-flight work may use it)."""
+
+
+def argmin(scores: Sequence[float]) -> int:
+    """Index of the smallest score, lowest index on ties."""
+    best = 0
+    for i in range(1, len(scores)):
+        if scores[i] < scores[best]:
+            best = i
+    return best
+
+
+def build_router(name: str, block_size: int = 16, **options) -> Router:
+    """A router by registry name; ``options`` go to its constructor (e.g. ``cache_threshold``)."""
+    return ROUTERS.get(name)(block_size=block_size, **options)

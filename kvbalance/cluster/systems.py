@@ -1,0 +1,125 @@
+"""Serving systems as cluster configs for one GPU budget, and the SLO-rate search that sizes them.
+
+* ``vllm``: colocated data-parallel instances with prefix caching, one per GPU (TP 1), behind a router; it
+  is reported under the best of its routers for the workload (``VLLM_ROUTERS``), never a weak one.
+* ``distserve``: a static prefill/decode split chosen as DistServe does — enumerate the splits and each
+  phase's parallelism for the GPU budget and keep the one with the highest rate at which 90% of requests
+  meet both the TTFT and the TPOT SLO (``max_rate_at_slo``).
+* ``banaserve``: DistServe's split plus the global KV store and load-aware routing; adaptive migration is
+  not integrated yet (TODO(migration)), so ``banaserve`` and ``banaserve-no-migration`` are the same run
+  until it is — reports must say so.
+* ablations: ``banaserve-no-store`` (split + load-aware routing, local prefix caches only) and
+  ``banaserve-cache-aware`` (split + store + sgl-router's cache-aware routing).
+* ``llumnix`` needs request-level live migration (the migration engineer's components): TODO(migration).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+from kvbalance.cluster.config import ClusterConfig, InstanceGroup, StoreSection
+
+SYSTEMS = (
+    "vllm",
+    "distserve",
+    "banaserve",
+    "banaserve-no-migration",
+    "banaserve-no-store",
+    "banaserve-cache-aware",
+)
+NOT_YET = {"llumnix": "request-level live migration is not integrated yet (TODO(migration))"}
+VLLM_ROUTERS = ("round_robin", "least_loaded", "cache_aware", "kv_aware")
+
+
+def vllm_config(num_gpus: int, router: str = "least_loaded", tp: int = 1) -> ClusterConfig:
+    if num_gpus % tp:
+        raise ValueError(f"tp: {tp} does not divide the GPU budget {num_gpus}")
+    return ClusterConfig(
+        instances=[InstanceGroup(role="colocated", count=num_gpus // tp, tp=tp)], router=router
+    )
+
+
+def pd_config(
+    num_prefill: int, num_decode: int, tp_prefill: int = 1, tp_decode: int = 1, *, router: str = "least_loaded",
+    store: bool = False, layerwise_transfer: bool = True,
+) -> ClusterConfig:  # fmt: skip
+    return ClusterConfig(
+        instances=[
+            InstanceGroup(role="prefill", count=num_prefill, tp=tp_prefill),
+            InstanceGroup(role="decode", count=num_decode, tp=tp_decode),
+        ],
+        router=router,
+        store=StoreSection() if store else None,
+        layerwise_transfer=layerwise_transfer,
+    )
+
+
+def distserve_splits(num_gpus: int, tps: tuple[int, ...] = (1, 2)) -> Iterator[tuple[int, int, int, int]]:
+    """Every (prefill instances, decode instances, prefill TP, decode TP) that uses the whole GPU budget."""
+    for tp_p in tps:
+        for tp_d in tps:
+            for p in range(1, num_gpus // tp_p):
+                rest = num_gpus - p * tp_p
+                if rest > 0 and rest % tp_d == 0:
+                    yield p, rest // tp_d, tp_p, tp_d
+
+
+def system_config(
+    system: str, num_gpus: int, split: tuple[int, int, int, int], router: str | None = None
+) -> ClusterConfig:
+    """The cluster config of ``system`` on ``num_gpus`` GPUs (``split``: DistServe's chosen split)."""
+    if system in NOT_YET:
+        raise ValueError(f"system: {system!r} cannot run yet: {NOT_YET[system]}")
+    p, d, tp_p, tp_d = split
+    if system == "vllm":
+        return vllm_config(num_gpus, router or "least_loaded")
+    if system == "distserve":
+        return pd_config(p, d, tp_p, tp_d, router=router or "least_loaded")
+    if system in ("banaserve", "banaserve-no-migration"):
+        return pd_config(p, d, tp_p, tp_d, router="load_aware", store=True)
+    if system == "banaserve-no-store":
+        return pd_config(p, d, tp_p, tp_d, router="load_aware")
+    if system == "banaserve-cache-aware":
+        return pd_config(p, d, tp_p, tp_d, router="cache_aware", store=True)
+    raise ValueError(f"system: unknown {system!r} (known: {', '.join(SYSTEMS)})")
+
+
+def max_rate_at_slo(
+    attainment: Callable[[float], float], start_rps: float, *, target: float = 0.9, iters: int = 6,
+    max_doublings: int = 8,
+) -> tuple[float, list[tuple[float, float]]]:  # fmt: skip
+    """Highest rate whose SLO attainment is >= ``target`` (DistServe's goodput), by doubling then bisection.
+
+    Assumes attainment falls with the rate. Returns the rate (0.0 if even ``start_rps / 2**max_doublings``
+    misses the target) and every (rate, attainment) probed, for plots.
+    """
+    probes: list[tuple[float, float]] = []
+
+    def probe(r: float) -> bool:
+        a = attainment(r)
+        probes.append((r, a))
+        return a >= target
+
+    lo, hi = 0.0, math.inf
+    r = start_rps
+    for _ in range(max_doublings):
+        if probe(r):
+            lo = r
+            if hi < math.inf:
+                break
+            r *= 2
+        else:
+            hi = r
+            if lo > 0:
+                break
+            r /= 2
+    if lo == 0.0 or hi == math.inf:
+        return lo, probes
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes

@@ -1,0 +1,61 @@
+"""Text for the real engine: incremental detokenisation and stop strings.
+
+:class:`Detokenizer` turns a request's growing token list into text a little at a time (holding back an
+incomplete UTF-8 sequence); :func:`emit_delta` hands out only text that cannot still turn out to start a
+stop string; :func:`find_stop` finds where a stop string ends the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class Detokenizer:
+    """Incremental detokenisation with a small window (holds back incomplete UTF-8 sequences)."""
+
+    __slots__ = ("prefix_offset", "read_offset", "text", "sent")
+
+    def __init__(self) -> None:
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+        self.sent = 0  # characters of ``text`` already emitted as deltas
+
+    def step(self, tokenizer, ids: list[int]) -> str:
+        prefix = tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        full = tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            delta = full[len(prefix) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(ids)
+            self.text += delta
+            return delta
+        return ""
+
+
+def emit_delta(detok: Detokenizer, stops: Sequence[str], finished: bool) -> str:
+    """New text safe to send: text that could still turn out to start a stop string is held back."""
+    end = len(detok.text)
+    if stops and not finished:
+        text = detok.text
+        for stop in stops:
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    end = min(end, len(text) - k)
+                    break
+    end = max(end, detok.sent)
+    delta = detok.text[detok.sent : end]
+    detok.sent = end
+    return delta
+
+
+def find_stop(text: str, stops: Sequence[str], added: int) -> int | None:
+    """Where the earliest stop string starts among the last ``added`` characters' reach, or None."""
+    window = max(len(s) for s in stops) + added
+    tail_start = max(0, len(text) - window)
+    cut = None
+    for stop in stops:
+        i = text.find(stop, tail_start)
+        if i != -1 and (cut is None or i < cut):
+            cut = i
+    return cut

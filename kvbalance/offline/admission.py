@@ -1,0 +1,153 @@
+"""Dual-scan admission on a live engine: the scheduler-facing half of dual scanning (BlendServe section 4.4).
+
+The planner's static ``order`` plays the scan out on a fluid clock; this component plays it against the real
+engine state instead. It holds the density-ordered requests and, before every step, releases requests into
+the engine's waiting queue from the two ends: a side may add requests while the KV its released, unfinished
+requests hold on average over their lives (p + d / 2 tokens each, with d the estimated output) stays within its
+share M_L or M_R of the memory, recomputed from the densities at the two ends. The engine then admits what it
+was given FCFS, so memory pressure (and preemption) follows the plan's balance instead of the queue's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvbalance.offline.dual_scan import WINDOW, memory_split
+from kvbalance.request import Request
+
+
+class DualScanAdmission:
+    """Feeds ``warmup`` first, then ``seq`` (density non-increasing) from both ends under M_L / M_R.
+
+    ``feeds`` tells a runner that this component adds the requests itself (``before_step`` calls
+    ``instance.add_request``); ``pending`` is how many it still holds. Built by the planner over indices;
+    ``bind(requests)`` gives a fresh copy that feeds those request objects (indexed like the planned job).
+    """
+
+    feeds = True
+
+    def __init__(
+        self,
+        warmup: Sequence[int],
+        seq: Sequence[int],
+        prompt_lens: np.ndarray,
+        output_lens: np.ndarray,
+        eff_comp_s: np.ndarray,
+        mem_s: np.ndarray,
+        rho_root: float,
+        m_tokens: float,
+        requests: Sequence[Request] = (),
+    ) -> None:
+        self._args = (warmup, seq, prompt_lens, output_lens, eff_comp_s, mem_s, rho_root, m_tokens)
+        self.requests = requests
+        self.warmup = list(warmup)
+        self.seq = list(seq)
+        self.foot = np.asarray(prompt_lens, dtype=np.float64) + np.asarray(output_lens, dtype=np.float64) / 2
+        s = np.asarray(self.seq, dtype=np.int64)
+        self.comp = np.asarray(eff_comp_s, dtype=np.float64)[s] if len(s) else np.zeros(0)
+        self.mem = np.asarray(mem_s, dtype=np.float64)[s] if len(s) else np.zeros(0)
+        self.rho_root = rho_root
+        self.m_tokens = m_tokens
+        self.left, self.right = 0, len(self.seq) - 1
+        self.live: list[list[int]] = [[], []]  # released, unfinished request indices per side
+        self.used = [0.0, 0.0]
+        self.released: list[int] = []  # release order (every request exactly once)
+
+    def bind(self, requests: Sequence[Request]) -> DualScanAdmission:
+        return DualScanAdmission(*self._args, requests=requests)
+
+    @property
+    def pending(self) -> int:
+        return len(self.warmup) + max(self.right - self.left + 1, 0)
+
+    def _window(self, lo: int, hi: int) -> float:
+        m = self.mem[lo:hi].sum()
+        return float(self.comp[lo:hi].sum() / m) if m > 0 else float("inf")
+
+    def _release(self, instance, i: int, now: float) -> None:
+        self.released.append(i)
+        instance.add_request(self.requests[i], now)
+
+    def before_step(self, instance, now: float) -> None:
+        for side in (0, 1):  # forget finished requests
+            keep = [i for i in self.live[side] if not self.requests[i].is_finished]
+            if len(keep) != len(self.live[side]):
+                self.live[side] = keep
+                self.used[side] = float(self.foot[keep].sum()) if keep else 0.0
+        while self.warmup:
+            self._release(instance, self.warmup.pop(0), now)
+        if self.left > self.right:
+            return
+        rho_l = self._window(self.left, min(self.left + WINDOW, self.right + 1))
+        rho_r = self._window(max(self.right + 1 - WINDOW, self.left), self.right + 1)
+        budget = memory_split(self.m_tokens, self.rho_root, rho_l, rho_r)
+        for side in (0, 1):
+            while self.left <= self.right:
+                i = self.seq[self.left] if side == 0 else self.seq[self.right]
+                f = float(self.foot[i])
+                idle = not self.live[0] and not self.live[1]
+                first = not self.live[side] and budget[side] > 0  # a side with memory keeps one running
+                if self.used[side] + f > budget[side] and not (idle or first):
+                    break
+                self.used[side] += f
+                self.live[side].append(i)
+                if side == 0:
+                    self.left += 1
+                else:
+                    self.right -= 1
+                self._release(instance, i, now)
+
+
+class InBatchPrefixDefer:
+    """SGLang's in-batch prefix check, for every planner's engine: a waiting request whose leading block is
+    still being prefilled by a running request (or by one admitted ahead of it in this step), and that finds
+    fewer than ``min_cached_blocks`` of its blocks in the cache, sits out this step instead of computing the
+    same prefix again in the same batch (SGLang deprioritises requests sharing an in-batch prefix of 32+
+    tokens for one round). It is held out of the queue during the step and put back at its place after.
+    Without it a DFS order, which puts a prefix's requests side by side, admits a group together and shares
+    nothing within it. Only the first ``window`` waiting requests are examined per step.
+    """
+
+    feeds = False
+
+    def __init__(self, window: int = 64, min_cached_blocks: int = 2) -> None:
+        self.window = window
+        self.min_cached_blocks = min_cached_blocks
+        self._held: list[Request] = []
+
+    def bind(self, requests) -> InBatchPrefixDefer:
+        return InBatchPrefixDefer(self.window, self.min_cached_blocks)
+
+    def before_step(self, instance, now: float) -> None:
+        sched = instance.scheduler
+        waiting = sched.waiting
+        if sched.cache is None or len(waiting) < 2:
+            return
+        kv, bs = sched.kv, sched.block_size
+        inflight = set()
+        for r in sched.running:
+            if r.num_computed_tokens < r.num_prompt_tokens and r.num_prompt_tokens >= bs:
+                inflight.add(kv.block_hashes(r, bs)[0])
+        head = [waiting.popleft() for _ in range(min(self.window, len(waiting)))]
+        keep: list[Request] = []
+        for r in head:
+            first = kv.block_hashes(r, bs)[0] if r.num_prompt_tokens >= bs else None
+            if first is not None and first in inflight and r.num_preemptions == 0:
+                if kv.get_computed_blocks(r).num_blocks < self.min_cached_blocks:
+                    self._held.append(r)
+                    continue
+            keep.append(r)
+            if first is not None:
+                inflight.add(first)
+        waiting.extendleft(reversed(keep))
+
+    def after_step(self, instance, now: float) -> None:
+        if self._held:
+            instance.scheduler.waiting.extendleft(reversed(self._held))
+            self._held = []
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
