@@ -21,12 +21,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbalance.perf.cost import CostModel, OpCount, elementwise_class, op_time
+from kvbalance.perf.cost import CostModel, OpCount, op_time
+from kvbalance.perf.fit_errors import (  # noqa: F401  (re-exported: the report and tests import them here)
+    BATCH_RANGES,
+    BYTE_RANGES,
+    GEMM_OPS,
+    TOKEN_RANGES,
+    ClassError,
+    error_rows,
+    op_class,
+    operator_errors,
+)
 from kvbalance.perf.kernels import wave_rows
 from kvbalance.perf.profiles import AllReduceSample, HostSample, OperatorSample
 from kvbalance.specs import ELEMENTWISE_CLASSES, HardwareSpec, LinkSpec, MemoryCurve
 
-GEMM_OPS = ("qkv_proj", "o_proj", "mlp_up", "mlp_down")
 GEMM_PARAMS = ("compute_eff_max", "compute_half_tokens", "memory_eff_max", "kernel_latency_s")
 HOST_PARAMS = (
     "step_overhead_s",
@@ -40,17 +49,6 @@ HOST_PARAMS = (
 SMALL_PATH_MAX_TOKENS = 64
 SMALL_PATH_MIN_POINTS = 3
 SMALL_PATH_GAIN = 0.1
-# Token ranges the error report splits each class into (inclusive upper bounds).
-TOKEN_RANGES = ((1, 16), (17, 128), (129, 1024), (1025, 1 << 40))
-BATCH_RANGES = ((1, 16), (17, 64), (65, 1 << 40))
-BYTE_RANGES = ((1, 1 << 16), ((1 << 16) + 1, 1 << 20), ((1 << 20) + 1, 16 << 20), ((16 << 20) + 1, 1 << 40))
-
-
-def op_class(sample: OperatorSample) -> str:
-    """The fitted class of a profiled operator: "gemm" or its element-wise class."""
-    if sample.op in GEMM_OPS:
-        return "gemm"
-    return elementwise_class(sample.op, sample.shape.model_spec().arch)
 
 
 @dataclass
@@ -283,22 +281,7 @@ def fit_link(samples: Sequence[AllReduceSample], base: LinkSpec, name: str) -> L
     return LinkSpec(name, float(x[0]), float(x[1]), note)
 
 
-# -- errors ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ClassError:
-    """Relative error |pred / meas - 1| of one operator class over one token range."""
-
-    op_class: str
-    tokens: str
-    count: int
-    median: float
-    worst: float
-
-    def to_dict(self) -> dict:
-        return {"class": self.op_class, "tokens": self.tokens, "count": self.count,
-                "median_rel_error": self.median, "worst_rel_error": self.worst}  # fmt: skip
+# -- the fit and its errors --------------------------------------------------------------------------
 
 
 @dataclass
@@ -314,33 +297,6 @@ class FitResult:
 def predict_operator_samples(samples: Sequence[OperatorSample], hw: HardwareSpec) -> np.ndarray:
     """The cost model's time of each profiled operator on ``hw`` (the scalar path :func:`op_time`)."""
     return np.array([op_time(c, hw).time_s for c in kernel_counts(samples, hw)])
-
-
-def _error_rows(
-    label_of: Sequence[str], size: np.ndarray, pred: np.ndarray, meas: np.ndarray, ranges=TOKEN_RANGES
-) -> list[ClassError]:
-    rel = np.abs(pred / meas - 1.0)
-    labels = np.array(label_of)
-    rows = []
-    for cls in dict.fromkeys(label_of):
-        in_cls = labels == cls
-        rows.append(
-            ClassError(cls, "all", int(in_cls.sum()), float(np.median(rel[in_cls])), float(rel[in_cls].max()))
-        )
-        for lo, hi in ranges:
-            sel = in_cls & (size >= lo) & (size <= hi)
-            if sel.any():
-                span = f"{lo}-{hi}" if hi < 1 << 40 else f">={lo}"
-                rows.append(
-                    ClassError(cls, span, int(sel.sum()), float(np.median(rel[sel])), float(rel[sel].max()))
-                )
-    return rows
-
-
-def operator_errors(samples: Sequence[OperatorSample], pred: np.ndarray) -> list[ClassError]:
-    meas = np.array([s.time_s for s in samples])
-    tokens = np.array([s.num_tokens for s in samples])
-    return _error_rows([op_class(s) for s in samples], tokens, pred, meas)
 
 
 def fit_gpu(
@@ -381,12 +337,12 @@ def fit_gpu(
     if host:
         hp = np.array([hw.host_overhead_s(s.batch_size, s.batch_size, s.tp) for s in host])
         hm = np.array([s.time_s for s in host])
-        host_err = _error_rows([f"host tp{'>1' if s.tp > 1 else '=1'}" for s in host],
+        host_err = error_rows([f"host tp{'>1' if s.tp > 1 else '=1'}" for s in host],
                                np.array([s.batch_size for s in host]), hp, hm, BATCH_RANGES)  # fmt: skip
     link_err = []
     if allreduce:
         am = np.array([s.time_s for s in allreduce])
-        link_err = _error_rows([f"all-reduce x{s.num_workers}" for s in allreduce],
+        link_err = error_rows([f"all-reduce x{s.num_workers}" for s in allreduce],
                                np.array([s.size_bytes for s in allreduce]), allreduce_predict(allreduce, hw.tp_link), am,
                                BYTE_RANGES)  # fmt: skip
     return FitResult(hw, pred, list(ops), errors, host_err, link_err)
