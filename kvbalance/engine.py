@@ -231,6 +231,12 @@ class Instance:
     def abort(self, req: Request, now: float) -> None:
         self.scheduler.abort(req, now)
 
+    def transfers_done(self, finished_loads: list[str], finished_saves: list[str]) -> None:
+        """The worker half finished these KV transfers between steps (e.g. a cluster's link model): loaded
+        requests become runnable, blocks held for a save are released."""
+        if finished_loads or finished_saves:
+            self.scheduler._apply_transfers(list(finished_loads), list(finished_saves))
+
     def finish_request(self, req: Request, reason: str, now: float) -> None:
         """End a request from outside with ``reason`` (e.g. a stop string matched in the detokenised text)."""
         self.scheduler.finish_request(req, reason, now)

@@ -173,3 +173,26 @@ def test_abort_while_loading_keeps_blocks_until_the_load_lands_then_frees_them(f
         b.scheduler.update(b.scheduler.schedule(now), StepResult(0.0, finished_loads=["gone"]), now)
         b.check_invariants()
         assert b.pool.num_used == b.cache.num_cached_blocks
+
+
+class SavingConnector(PeerConnector):
+    """Every finished request's KV is saved somewhere outside: hold its blocks until the save lands."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> bool:
+        super().request_finished(request, block_ids)
+        return True
+
+
+def test_blocks_held_for_a_save_stay_locked_until_it_lands():
+    b = _instance(EchoExecutor(), SavingConnector(external=0), num_blocks=16)
+    req = make_request("saved", 17, max_tokens=1)  # 4 full blocks cached, a 5th partial
+    b.add_request(req, 0.0)
+    _step(b, 0.0)
+    assert req.state is RequestState.FINISHED and req.block_ids == []
+    assert b.pool.num_used == 5 and b.cache.num_cached_blocks == 4
+    assert b.cache.evictable_blocks == 0  # under the save: not evictable, not counted as free
+    assert b.load().kv_cached_tokens == 0 and b.kv.num_available_blocks == 11
+    b.check_invariants()
+    b.transfers_done([], ["saved"])
+    b.check_invariants()
+    assert b.pool.num_used == 4 and b.cache.evictable_blocks == 4  # the save landed: cached, idle

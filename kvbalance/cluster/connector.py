@@ -25,13 +25,8 @@ def prompt_hashes(req: Request, block_size: int, num_tokens: int) -> list[int]:
 
 
 def report_transfers(inst: Instance, finished_loads: list[str], finished_saves: list[str]) -> None:
-    """The worker half finished these transfers between steps (the cluster's link model).
-
-    Workaround: ``Instance`` has no public call for completions that land outside a step, so this uses the
-    scheduler's ``_apply_transfers`` (what ``update`` does with ``StepResult.finished_loads/saves``).
-    Asked of the lead: ``Instance.transfers_done(finished_loads, finished_saves)``.
-    """
-    inst.scheduler._apply_transfers(list(finished_loads), list(finished_saves))
+    """The worker half finished these transfers between steps (the cluster's link model)."""
+    inst.transfers_done(finished_loads, finished_saves)
 
 
 class ClusterConnector:

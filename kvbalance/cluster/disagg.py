@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvbalance.cluster.connector import prompt_hashes, report_transfers
+from kvbalance.cluster.connector import report_transfers
 from kvbalance.request import Request, RequestState, SamplingParams
 
 
@@ -46,7 +46,6 @@ class PDConnector:
         self._in_flight: dict[str, Handoff] = {}
         self._egress_free_s: dict[int, float] = {}
         self._last_step_s: dict[int, float] = {}
-        self._locks: dict[str, tuple] = {}  # rid -> (prefill cache, locked node) while its save is pending
         self._src_blocks: dict[str, list[int]] = {}  # rid -> its block table on the prefill side (held)
         self.handoffs: list[Handoff] = []  # every transfer, for reports and tests
 
@@ -64,31 +63,17 @@ class PDConnector:
         return req.request_id in self._sampling
 
     def holds_for(self, src, req: Request, block_ids: list[int]) -> bool:
-        """Prefill side ``request_finished``: keep the blocks if the request goes on to a decode member.
-
-        Workaround: the scheduler's hold unlocks the request's prefix-cache path while keeping its block
-        references, so held cached blocks would look evictable (and fail the cache's ref-count check);
-        the hand-off locks the prompt's cached path itself until the save lands.
-        """
+        """Prefill side ``request_finished``: keep the blocks (and their cache lock: the scheduler holds
+        both) if the request goes on to a decode member, until the save lands."""
         real = self._sampling.get(req.request_id)
         if real is None or real.max_tokens <= 1:
             return False
         self._src_blocks[req.request_id] = list(block_ids)
-        cache = src.instance.cache
-        if cache is not None:
-            hashes = prompt_hashes(req, src.instance.pool.block_size, req.num_prompt_tokens)
-            node, hit = cache.match_prefix(hashes)
-            if hit:
-                cache.lock(node)
-                self._locks[req.request_id] = (cache, node)
         return True
 
     def _release_hold(self, src, rid: str) -> None:
         report_transfers(src.instance, [], [rid])  # the save landed (or is moot): the prefill side frees
         self._src_blocks.pop(rid, None)
-        lock = self._locks.pop(rid, None)
-        if lock is not None:
-            lock[0].unlock(lock[1])
 
     def prefill_done(self, src, req: Request) -> None:
         """The prefill member finished ``req`` (first token sampled, or rejected/aborted)."""

@@ -158,12 +158,27 @@ class KVCacheManager:
         self.pool.free(req.block_ids)
         req.block_ids = []
 
+    def detach(self, req: Request) -> tuple[RadixNode, int] | None:
+        """Take ``req``'s blocks and cache lock out of its hands without releasing them (a transfer still
+        reads or writes them); the caller keeps ``req``'s former block table and returns both through
+        :meth:`release_held`. Returns the lock (or None)."""
+        req.block_ids = []
+        return self._paths.pop(req.request_id, None)
+
+    def release_held(self, block_ids: list[int], path: tuple[RadixNode, int] | None) -> None:
+        """Release what :meth:`detach` kept: the cache lock, then the blocks."""
+        if path is not None:
+            self.cache.unlock(path[0])
+        self.pool.free(block_ids)
+
     def forget(self, req: Request) -> None:
         """Drop what is kept about a request that will never be scheduled again (its block hashes)."""
         self._hashes.pop(req.request_id, None)
 
     # -- checks -------------------------------------------------------------------------------------
-    def check_invariants(self, holders: list[Request], held: dict[str, list[int]] | None = None) -> None:
+    def check_invariants(
+        self, holders: list[Request], held: dict[str, list[int]] | None = None, held_paths: dict | None = None
+    ) -> None:
         """Exact accounting: every block's ref count equals its holders (block tables, blocks held for a
         KV save, the prefix cache); each locked path holds the same blocks' hashes as its request."""
         self.pool.check_invariants()
@@ -188,6 +203,9 @@ class KVCacheManager:
         for blocks in (held or {}).values():
             for b in blocks:
                 refs[b] = refs.get(b, 0) + 1
+        for rid, path in (held_paths or {}).items():
+            if path is not None and len(cache.blocks_of(path[0])) != path[1]:
+                raise AssertionError(f"request {rid}: held cache lock covers the wrong number of blocks")
         holder_ids = {r.request_id for r in holders}
         for rid in self._paths:
             if rid not in holder_ids:

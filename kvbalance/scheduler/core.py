@@ -52,6 +52,7 @@ class Scheduler:
         self._load_target: dict[str, int] = {}  # request id -> computed tokens once its load lands
         self._held: dict[str, list[int]] = {}  # request id -> blocks kept until a save / a load lands
         self._held_for_load: dict[str, bool] = {}  # request id -> held for a load (True) or a save (False)
+        self._held_paths: dict[str, object] = {}  # request id -> its cache lock while held (or None)
         self._watermark_blocks = int(config.watermark * kv.pool.num_blocks)
         self.admission_open = True  # False while the elastic reserve is lent: no new prefills
         # counters
@@ -270,7 +271,7 @@ class Scheduler:
                 self._free_held(rid)
 
     def _free_held(self, rid: str) -> None:
-        self.pool.free(self._held.pop(rid))
+        self.kv.release_held(self._held.pop(rid), self._held_paths.pop(rid))
         self._held_for_load.pop(rid, None)
 
     @staticmethod
@@ -286,11 +287,10 @@ class Scheduler:
 
     # -- releasing --------------------------------------------------------------
     def _hold(self, req: Request, for_load: bool) -> None:
-        """Keep ``req``'s blocks (a transfer still uses them) after it leaves; its cache lock goes."""
-        blocks = req.block_ids
-        req.block_ids = []
-        self.kv.free(req)  # unlocks the cache path; frees nothing (the table is empty now)
-        self._held[req.request_id] = blocks
+        """Keep ``req``'s blocks and its cache lock (a transfer still uses them) after it leaves: cached
+        blocks under a transfer must not look evictable. Both go when the transfer lands (``_free_held``)."""
+        self._held[req.request_id] = req.block_ids
+        self._held_paths[req.request_id] = self.kv.detach(req)
         self._held_for_load[req.request_id] = for_load
 
     def _release(self, req: Request, *, finished: bool) -> None:
@@ -355,4 +355,4 @@ class Scheduler:
         for req in self.waiting:
             if req.block_ids:
                 raise AssertionError(f"{req}: waiting but holds blocks")
-        self.kv.check_invariants([*self.running, *self.loading.values()], self._held)
+        self.kv.check_invariants([*self.running, *self.loading.values()], self._held, self._held_paths)
