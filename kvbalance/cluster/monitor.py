@@ -111,6 +111,11 @@ class UtilizationMonitor:
             raise ValueError(f"start_s: {start_s} is before {gpu!r} was added at {tr.since_s}")
         tr.steps.append(_Step(start_s, start_s + d, breakdown.compute_s, breakdown.memory_s))
 
+    def last_start_s(self, gpu: str) -> float:
+        """Start of the latest step recorded on ``gpu`` (when it was added, if none)."""
+        tr = self._track(gpu)
+        return tr.steps[-1].start_s if tr.steps else tr.since_s
+
     def record_kv(self, gpu: str, kv_utilization: float) -> None:
         """Latest KV occupancy of ``gpu`` (used / capacity of its KV pool, e.g. ``InstanceLoad.kv_utilization``)."""
         if not 0 <= kv_utilization <= 1:
