@@ -76,6 +76,8 @@ class MigrationController:
         self.memory: dict[str, GPUMemory] = {}
         self.log: list[dict] = []
         self._moved_rids: dict[str, int] = {}
+        self._decode_step_s: dict[int, float] = {}  # member index -> start of its latest step with decodes
+        self.window_s = section.window_s
         for g, m in self.gpu_of.items():
             cm = m.instance.executor.cost_model
             self.memory[g] = GPUMemory(cm.gpu.mem_capacity_bytes, cm.model.weight_bytes // cm.tp)
@@ -105,14 +107,17 @@ class MigrationController:
         room = mem.capacity_bytes - mem.weight_bytes - mem.reserved_bytes
         mem = GPUMemory(mem.capacity_bytes, mem.weight_bytes, min(kv_used, room), mem.reserved_bytes)
         self.memory[g] = mem
-        decodes = [c for n, c, _ in model.last_seqs if n == 1]
+        batch = model.last_seqs
+        if self._decode_step_s.get(m.index, -1.0) >= self.cluster.loop.now - self.window_s:
+            batch = model.last_decode_seqs  # a recent step with decodes represents a mixed instance
+        decodes = [c for n, c, _ in batch if n == 1]
         dur = m.step_durations_s[-1] if m.step_durations_s else 0.0
         return GPUState(
             g,
             ex.cost_model,
             u.combined,
             mem,
-            model.last_seqs,
+            batch,
             kv_tokens=sum(decodes) if decodes else load.kv_used_tokens,
             decode_tokens_per_s=len(decodes) / dur if dur > 0 else 0.0,
         )
@@ -132,7 +137,8 @@ class MigrationController:
 
     def _snapshot_decodes(self, m: Member) -> list[tuple[str, int]]:
         model = self.models[m.index]
-        return [(rid, c) for rid, (n, c, _) in zip(model.last_rids, model.last_seqs, strict=True) if n == 1]
+        pairs = zip(model.last_decode_rids, model.last_decode_seqs, strict=True)
+        return [(rid, c) for rid, (n, c, _) in pairs if n == 1]
 
     # -- landing -------------------------------------------------------------------------------------
     def _apply(self, mig: Migration) -> None:
@@ -183,6 +189,8 @@ class MigrationController:
 
         helper = self.helper_of.get(m.index)
         model = self.models[m.index]
+        if model.last_had_decodes:
+            self._decode_step_s[m.index] = start_s
         m.waited_s += model.last_wait_s
         share = model.last_helper
         if helper is None or share is None:

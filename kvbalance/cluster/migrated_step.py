@@ -65,16 +65,22 @@ class MigratedStepModel:
         self.attention: AttentionSplit | None = None
         self.last_helper: StepBreakdown | None = None
         self.last_wait_s = 0.0
+        self.last_had_decodes = False
         self.last_seqs: tuple[SeqWork, ...] = ()  # the latest non-empty step (candidates' batch)
         self.last_rids: tuple[str, ...] = ()
+        self.last_decode_seqs: tuple[SeqWork, ...] = ()  # the latest step with decodes, and its requests
+        self.last_decode_rids: tuple[str, ...] = ()
 
     def predict(self, plan: BatchPlan) -> StepBreakdown:
         seqs = CostModel.plan_seqs(plan)
         self.last_helper = None
         self.last_wait_s = 0.0
+        self.last_had_decodes = any(n == 1 for n, _, _ in seqs)
         if seqs:
             self.last_seqs = tuple(seqs)
             self.last_rids = tuple(s.request.request_id for s in plan.seqs)
+            if self.last_had_decodes:
+                self.last_decode_seqs, self.last_decode_rids = self.last_seqs, self.last_rids
         if not seqs:
             return self.inner.predict(plan)
         if self.layer is not None:
