@@ -197,7 +197,7 @@ class MigrationController:
             return
         d = share.compute_s + share.memory_s + share.overhead_s + share.comm_s
         helper.helper_durations_s.append(d)
-        mon = self.cluster.monitor
+        if helper.driver is not None and helper.driver.busy:
+            self.models[helper.index].pending_s += d  # time-shared with the helper's own step
         for g in helper.gpus:
-            name = gpu_name(g)
-            mon.record_step(name, max(start_s, mon.last_start_s(name)), share, d)
+            self.cluster.monitor.record_share(gpu_name(g), start_s, share, d)

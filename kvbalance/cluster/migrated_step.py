@@ -17,7 +17,9 @@ landed, predicts steps with the cost models of ``kvbalance.perf.migration``:
 
 After each prediction ``last_helper`` is the helper GPU's share of that step (``None`` when none), which
 the cluster records on the helper's monitor track and busy time, and ``last_wait_s`` the part of the
-step the home GPU only waits (not its busy time).
+step the home GPU only waits (not its busy time). Contention on the helper: a share that ran while the
+helper's own instance was mid-step delays the helper's next step by its length (``pending_s``, added
+to that step as waiting); a share run while the helper was idle delays nothing.
 """
 
 from __future__ import annotations
@@ -66,12 +68,21 @@ class MigratedStepModel:
         self.last_helper: StepBreakdown | None = None
         self.last_wait_s = 0.0
         self.last_had_decodes = False
+        self.pending_s = 0.0  # as a helper: GPU time its share of another instance's steps took meanwhile
         self.last_seqs: tuple[SeqWork, ...] = ()  # the latest non-empty step (candidates' batch)
         self.last_rids: tuple[str, ...] = ()
         self.last_decode_seqs: tuple[SeqWork, ...] = ()  # the latest step with decodes, and its requests
         self.last_decode_rids: tuple[str, ...] = ()
 
     def predict(self, plan: BatchPlan) -> StepBreakdown:
+        bd = self._predict(plan)
+        if self.pending_s:  # the GPU ran a source's share meanwhile: this step waits that long
+            bd.comm_s += self.pending_s
+            self.last_wait_s += self.pending_s
+            self.pending_s = 0.0
+        return bd
+
+    def _predict(self, plan: BatchPlan) -> StepBreakdown:
         seqs = CostModel.plan_seqs(plan)
         self.last_helper = None
         self.last_wait_s = 0.0
