@@ -262,7 +262,10 @@ _NON_NEGATIVE = (
     "host_overhead_per_seq_s",
     "host_overhead_per_token_s",
     "host_overhead_tp_s",
+    "host_overhead_tp_per_seq_s",
+    "host_overhead_per_tp_rank_s",
     "l2_cache_bytes",
+    "num_sms",
 )
 
 
@@ -283,28 +286,51 @@ ELEMENTWISE_CLASSES = (
 @dataclass(frozen=True)
 class MemoryCurve:
     """A memory-bound kernel class: ``bytes * max(tokens, sat_tokens) / (tokens * bw * e(bytes)) + latency_s``,
-    ``e(bytes) = eff + l2_eff_gain * L2 / (L2 + bytes)`` with ``L2 = HardwareSpec.l2_cache_bytes``.
+    ``e(bytes) = eff + l2_eff_gain / (1 + (bytes / (l2_bytes_scale * L2)) ** l2_sharpness)`` with
+    ``L2 = HardwareSpec.l2_cache_bytes`` (at the defaults 1 and 1: ``eff + l2_eff_gain * L2 / (L2 + bytes)``; a
+    larger ``l2_sharpness`` is a cliff where the kernel's tensors stop fitting in L2, as the A40's residual
+    add and rotary show).
 
     ``eff`` is the fraction of peak DRAM bandwidth reached on large tensors, ``l2_eff_gain`` what tensors that
     stay in L2 add to it (negative where the kernel is slower there); below ``sat_tokens`` tokens the kernel
     takes as long as at ``sat_tokens`` (one thread block per token: fewer tokens leave SMs idle);
     ``latency_s`` is the kernel's fixed time.
+
+    At or below ``small_tokens`` tokens the kernel runs another code path (the measured embedding gather does:
+    a fixed cost per token row, whatever the row's width, and a step down past 16 tokens):
+    ``small_latency_s + small_per_token_s * tokens``. ``small_tokens = 0``: no such path.
+
+    Wave quantisation (one thread block per token row, ``HardwareSpec.num_sms`` rows per wave): the kernel moves
+    its bytes as if ``tokens + wave_weight * (waves * num_sms - tokens)`` rows were there, waves =
+    ceil(tokens / num_sms); ``wave_weight`` in [0, 1] (0: a smooth curve; the measured SwiGLU steps up by
+    nearly a whole wave past each multiple of the SM count).
     """
 
     eff: float
     sat_tokens: float = 0.0
     latency_s: float = 0.0
     l2_eff_gain: float = 0.0
+    small_tokens: float = 0.0
+    small_latency_s: float = 0.0
+    small_per_token_s: float = 0.0
+    wave_weight: float = 0.0
+    l2_bytes_scale: float = 1.0
+    l2_sharpness: float = 1.0
 
     def __post_init__(self) -> None:
         if not 0 < self.eff <= 4.0:
             raise ValueError(f"eff: must be in (0, 4], got {self.eff!r}")
         if not 0 < self.eff + self.l2_eff_gain <= 8.0:
             raise ValueError(f"l2_eff_gain: eff + l2_eff_gain must be in (0, 8], got {self.l2_eff_gain!r}")
-        if self.sat_tokens < 0 or self.latency_s < 0:
+        if not self.l2_bytes_scale > 0 or not self.l2_sharpness > 0:
             raise ValueError(
-                f"sat_tokens, latency_s: must be >= 0, got {self.sat_tokens!r}, {self.latency_s!r}"
+                f"l2_bytes_scale, l2_sharpness: must be > 0, got {self.l2_bytes_scale!r}, {self.l2_sharpness!r}"
             )
+        if not 0 <= self.wave_weight <= 1:
+            raise ValueError(f"wave_weight: must be in [0, 1], got {self.wave_weight!r}")
+        for f in ("sat_tokens", "latency_s", "small_tokens", "small_latency_s", "small_per_token_s"):
+            if getattr(self, f) < 0:
+                raise ValueError(f"{f}: must be >= 0, got {getattr(self, f)!r}")
 
 
 @dataclass(frozen=True)
@@ -323,8 +349,10 @@ class HardwareSpec:
     Fitted GPU presets (``kvbalance calibrate``) add: ``kernel_latency_s``, the fixed time of every GEMM and
     attention kernel; ``elementwise_curves``, a :class:`MemoryCurve` per element-wise class
     (``ELEMENTWISE_CLASSES``; a class left out uses the streaming formula above); and the engine's host time
-    per step, ``step_overhead_s + host_overhead_per_seq_s * seqs + host_overhead_per_token_s * tokens``, plus
-    ``host_overhead_tp_s`` when tensor parallel workers must be synchronised.
+    per step, ``step_overhead_s + host_overhead_per_seq_s * seqs + host_overhead_per_token_s * tokens``, plus,
+    when tensor parallel workers must be synchronised (tp > 1), ``host_overhead_tp_s +
+    host_overhead_tp_per_seq_s * seqs + host_overhead_per_tp_rank_s * (tp - 1)`` (broadcasting the step's
+    inputs to the workers grows with the batch and with the number of workers).
     """
 
     name: str
@@ -343,8 +371,13 @@ class HardwareSpec:
     host_overhead_per_seq_s: float = 0.0  # host time per sequence in the batch (inputs, sampling, outputs)
     host_overhead_per_token_s: float = 0.0  # host time per scheduled token
     host_overhead_tp_s: float = 0.0  # extra host time per step when tp > 1 (worker synchronisation)
+    host_overhead_tp_per_seq_s: float = (
+        0.0  # extra host time per sequence when tp > 1 (inputs to the workers)
+    )
+    host_overhead_per_tp_rank_s: float = 0.0  # extra host time per step per worker beyond the first
     elementwise_curves: dict[str, MemoryCurve] = field(default_factory=dict, hash=False)
     l2_cache_bytes: float = 0.0  # last-level cache (datasheet); 0: the curves see no cache term
+    num_sms: int = 0  # streaming multiprocessors (datasheet); 0: the curves see no wave quantisation
     tp_link: LinkSpec = field(default_factory=lambda: LINKS["nvlink"])  # intra-node link used by TP
     kind: str = "gpu"  # "gpu" or "cpu"
     source: str = ""
@@ -378,7 +411,13 @@ class HardwareSpec:
 
     def host_overhead_s(self, num_seqs: int, num_tokens: int, tp: int = 1) -> float:
         """Engine host time of one step over ``num_seqs`` sequences and ``num_tokens`` tokens."""
-        extra = self.host_overhead_tp_s if tp > 1 else 0.0
+        extra = (
+            self.host_overhead_tp_s
+            + self.host_overhead_tp_per_seq_s * num_seqs
+            + self.host_overhead_per_tp_rank_s * (tp - 1)
+            if tp > 1
+            else 0.0
+        )
         return (
             self.step_overhead_s
             + extra
@@ -427,7 +466,7 @@ class HardwareSpec:
                 }
             except TypeError as e:
                 raise ValueError(
-                    f"elementwise_curves: {e} (fields: eff, sat_tokens, latency_s, l2_eff_gain)"
+                    f"elementwise_curves: {e} (fields: {', '.join(f.name for f in fields(MemoryCurve))})"
                 ) from None
         try:
             return cls(**d)
@@ -497,6 +536,8 @@ FITTED_FIELDS = (
     "host_overhead_per_seq_s",
     "host_overhead_per_token_s",
     "host_overhead_tp_s",
+    "host_overhead_tp_per_seq_s",
+    "host_overhead_per_tp_rank_s",
     "elementwise_curves",
 )
 
@@ -519,21 +560,21 @@ _DATASHEETS = {
     g.name: g
     for g in [
         # NVIDIA A100 datasheet: 312 TFLOPS fp16/bf16 tensor dense; 1,555 GB/s (40GB), 2,039 GB/s (80GB SXM);
-        # 40 MB L2. Capacity: nvidia-smi total (40960 / 81920 MiB).
-        _gpu("a100-40gb", 312e12, 1555e9, 40960, "nvlink", "NVIDIA A100 datasheet (SXM4 40GB).", l2_cache_bytes=40e6),
-        _gpu("a100-80gb", 312e12, 2039e9, 81920, "nvlink", "NVIDIA A100 datasheet (SXM4 80GB).", l2_cache_bytes=40e6),
+        # 40 MB L2; 108 SMs. Capacity: nvidia-smi total (40960 / 81920 MiB).
+        _gpu("a100-40gb", 312e12, 1555e9, 40960, "nvlink", "NVIDIA A100 datasheet (SXM4 40GB).", l2_cache_bytes=40e6, num_sms=108),
+        _gpu("a100-80gb", 312e12, 2039e9, 81920, "nvlink", "NVIDIA A100 datasheet (SXM4 80GB).", l2_cache_bytes=40e6, num_sms=108),
         # NVIDIA H100 datasheet, SXM5: 989 TFLOPS bf16 dense (1,979 with sparsity), 3.35 TB/s, 80GB
-        # (nvidia-smi: 81559 MiB); 50 MB L2.
-        _gpu("h100-sxm", 989e12, 3.35e12, 81559, "nvlink4", "NVIDIA H100 datasheet (SXM5).", l2_cache_bytes=50e6),
+        # (nvidia-smi: 81559 MiB); 50 MB L2; 132 SMs.
+        _gpu("h100-sxm", 989e12, 3.35e12, 81559, "nvlink4", "NVIDIA H100 datasheet (SXM5).", l2_cache_bytes=50e6, num_sms=132),
         # NVIDIA H200 datasheet: 989 TFLOPS bf16 dense, 4.8 TB/s HBM3e, 141GB (nvidia-smi: 143771 MiB); the
-        # H100's GH100 die (50 MB L2).
-        _gpu("h200", 989e12, 4.8e12, 143771, "nvlink4", "NVIDIA H200 datasheet (SXM).", l2_cache_bytes=50e6),
+        # H100's GH100 die (50 MB L2, 132 SMs).
+        _gpu("h200", 989e12, 4.8e12, 143771, "nvlink4", "NVIDIA H200 datasheet (SXM).", l2_cache_bytes=50e6, num_sms=132),
         # NVIDIA L40S datasheet: 362 TFLOPS fp16/bf16 tensor dense (733 with sparsity), 864 GB/s GDDR6,
-        # 48GB (nvidia-smi: 46068 MiB with ECC), 96 MB L2; PCIe 4.0 x16, no NVLink.
-        _gpu("l40s", 362e12, 864e9, 46068, "pcie4", "NVIDIA L40S datasheet.", l2_cache_bytes=96e6),
+        # 48GB (nvidia-smi: 46068 MiB with ECC), 96 MB L2, 142 SMs; PCIe 4.0 x16, no NVLink.
+        _gpu("l40s", 362e12, 864e9, 46068, "pcie4", "NVIDIA L40S datasheet.", l2_cache_bytes=96e6, num_sms=142),
         # NVIDIA A40 datasheet: 149.7 TFLOPS fp16 tensor dense (299.4 with sparsity), 696 GB/s GDDR6, 48GB
-        # (nvidia-smi: 46068 MiB with ECC), 6 MB L2 (GA102); PCIe 4.0 x16 (NVLink bridge pairs only).
-        _gpu("a40", 149.7e12, 696e9, 46068, "pcie4", "NVIDIA A40 datasheet.", l2_cache_bytes=6e6),
+        # (nvidia-smi: 46068 MiB with ECC), 6 MB L2, 84 SMs (GA102); PCIe 4.0 x16 (NVLink bridge pairs only).
+        _gpu("a40", 149.7e12, 696e9, 46068, "pcie4", "NVIDIA A40 datasheet.", l2_cache_bytes=6e6, num_sms=84),
     ]
 }  # fmt: skip
 

@@ -13,8 +13,13 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pytest "$@"
 # requires-python says 3.10: where a Python 3.10 is installed, the light core (no torch) runs its tests there
 # too (only for the default run; torch's local CPU build here is for 3.11).
-if [ "$#" -eq 0 ] && python3.10 -c "" 2>/dev/null; then
-  [ -x .venv310/bin/python ] || python3.10 -m venv .venv310
+py310=""
+for candidate in python3.10 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.10*/bin/python3.10; do
+  if "$candidate" -c "" 2>/dev/null; then py310=$candidate; break; fi
+done
+if [ "$#" -eq 0 ] && [ -n "$py310" ]; then
+  [ -x .venv310/bin/python ] || "$py310" -m venv .venv310
   .venv310/bin/python -m pip install -q --disable-pip-version-check -e '.[dev]'
+  echo "light core on $("$py310" --version):"
   .venv310/bin/python -m pytest -q -p no:randomly
 fi

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvbalance.cli import main
-from kvbalance.perf.cost import CostModel
+from kvbalance.perf.cost import CostModel, curve_eff
 from kvbalance.perf.fit_gpu import fit_gpu, op_class, operator_errors, predict_operator_samples
 from kvbalance.perf.profiles import (
     HOST_PARTS,
@@ -37,7 +37,7 @@ SHAPES = (
     ProfileShape("gated-7b", 32, 32, 4096, 11008, 32000, True),
     ProfileShape("plain-3b", 32, 32, 2560, 10240, 51200, False),
 )
-TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 1024, 2048, 4096)
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 96, 128, 136, 192, 200, 256, 270, 384, 400, 512, 700, 1024, 2048, 4096)
 TRUTH = get_gpu("h100-sxm").with_(
     name="truth",
     compute_eff_max=0.7,
@@ -49,15 +49,19 @@ TRUTH = get_gpu("h100-sxm").with_(
     step_overhead_s=8e-4,
     host_overhead_per_seq_s=6e-5,
     host_overhead_tp_s=5e-3,
+    host_overhead_tp_per_seq_s=4e-5,
+    host_overhead_per_tp_rank_s=7e-4,
     tp_link=LinkSpec("nvlink4-fitted", 300e9, 2e-5),
     elementwise_curves={
-        "embedding": MemoryCurve(0.2, 40.0, 2e-6, 0.05),
+        "embedding": MemoryCurve(
+            0.2, 40.0, 2e-6, 0.05, small_tokens=16, small_latency_s=1.4e-6, small_per_token_s=6e-7
+        ),  # fmt: skip
         "norm": MemoryCurve(0.3, 150.0, 2.5e-6, 0.3),
         "layer_norm": MemoryCurve(0.4, 300.0, 3e-6, 0.5),
         "rope": MemoryCurve(0.45, 120.0, 1.5e-6, 0.1),
-        "activation": MemoryCurve(0.6, 100.0, 1e-6, -0.1),
+        "activation": MemoryCurve(0.6, 100.0, 1e-6, -0.1, wave_weight=0.5),
         "activation_ungated": MemoryCurve(0.7, 20.0, 1e-6, 0.2),
-        "residual_add": MemoryCurve(0.8, 2.0, 1.5e-6, 0.6),
+        "residual_add": MemoryCurve(0.8, 2.0, 1.5e-6, 0.6, l2_bytes_scale=0.8, l2_sharpness=4.0),
     },
 )
 
@@ -77,7 +81,9 @@ def synthetic_ops(hw=TRUTH):
 
 def synthetic_host(hw=TRUTH):
     return [
-        HostSample("m", b, tp, hw.host_overhead_s(b, b, tp)) for b in (8, 16, 32, 64, 128) for tp in (1, 2, 4)
+        HostSample("m", b, tp, hw.host_overhead_s(b, b, tp))
+        for b in (8, 16, 32, 64, 128)
+        for tp in (1, 2, 4, 8)
     ]
 
 
@@ -99,15 +105,18 @@ def synthetic_fit():
 def test_fitter_recovers_known_parameters_from_synthetic_profiles(synthetic_fit):
     hw = synthetic_fit.hardware
     for f in ("compute_eff_max", "compute_half_tokens", "memory_eff_max", "kernel_latency_s", "step_overhead_s",
-              "host_overhead_per_seq_s", "host_overhead_tp_s"):  # fmt: skip
+              "host_overhead_per_seq_s", "host_overhead_tp_s", "host_overhead_tp_per_seq_s",
+              "host_overhead_per_tp_rank_s"):  # fmt: skip
         assert getattr(hw, f) == pytest.approx(getattr(TRUTH, f), rel=0.01), f
     assert hw.tp_link.bandwidth_bytes_s == pytest.approx(300e9, rel=0.01)
     assert hw.tp_link.latency_s == pytest.approx(2e-5, rel=0.01)
     assert set(hw.elementwise_curves) == set(TRUTH.elementwise_curves)
     for cls, truth in TRUTH.elementwise_curves.items():
         got = hw.elementwise_curves[cls]
-        for f in ("eff", "sat_tokens", "latency_s", "l2_eff_gain"):
-            assert getattr(got, f) == pytest.approx(getattr(truth, f), rel=0.01, abs=1e-9), (cls, f)
+        for f in ("eff", "sat_tokens", "latency_s", "l2_eff_gain", "small_tokens", "small_latency_s",
+                  "small_per_token_s", "wave_weight", "l2_bytes_scale", "l2_sharpness"):  # fmt: skip
+            tol = 1e-6 if f == "wave_weight" else 1e-9  # dimensionless, 0 in most classes
+            assert getattr(got, f) == pytest.approx(getattr(truth, f), rel=0.01, abs=tol), (cls, f)
     assert all(
         e.worst < 1e-3 for e in synthetic_fit.errors + synthetic_fit.host_errors + synthetic_fit.link_errors
     )
@@ -137,8 +146,38 @@ def test_host_overhead_grows_with_the_batch(synthetic_fit):
     per_seq = synthetic_fit.hardware.host_overhead_per_seq_s
     assert (large.overhead_s - lat_large) - (small.overhead_s - lat_small) == pytest.approx(63 * per_seq)
     assert cm.host_overhead_s(64, 64) == pytest.approx(cm.overhead_s + 64 * per_seq)
-    tp2 = CostModel("llama-2-7b", synthetic_fit.hardware, tp=2)
-    assert tp2.overhead_s == pytest.approx(cm.overhead_s + synthetic_fit.hardware.host_overhead_tp_s)
+    hw = synthetic_fit.hardware
+    for tp in (2, 4):
+        cm_tp = CostModel("llama-2-7b", hw, tp=tp)
+        tp_extra = hw.host_overhead_tp_s + hw.host_overhead_per_tp_rank_s * (tp - 1)
+        assert cm_tp.overhead_s == pytest.approx(cm.overhead_s + tp_extra)
+        assert cm_tp.host_overhead_s(64, 64) == pytest.approx(
+            cm_tp.overhead_s + 64 * (per_seq + hw.host_overhead_tp_per_seq_s)
+        )
+
+
+def test_small_token_path_of_an_elementwise_class(synthetic_fit):
+    """At or below small_tokens the embedding costs small_latency_s + small_per_token_s * T (booked as latency
+    and memory time), above it the curve; step() and op_times() agree."""
+    hw = synthetic_fit.hardware
+    c = hw.elementwise_curves["embedding"]
+    cm = CostModel("llama-2-7b", hw)
+    for t in (1, 8, 16):
+        op = cm.op_times([(t, t, False)])["embedding"]
+        assert op.memory_s == pytest.approx(c.small_per_token_s * t) and op.latency_s == c.small_latency_s
+        assert op.time_s == pytest.approx(1.4e-6 + 6e-7 * t, rel=0.01)
+    above = cm.op_times([(24, 24, False)])["embedding"]
+    curve_s = (
+        above.bytes * max(24, c.sat_tokens) / (24 * hw.mem_bandwidth_bytes_s * curve_eff(c, above.bytes, hw))
+    )
+    assert above.latency_s == c.latency_s and above.memory_s == pytest.approx(curve_s)
+    assert above.time_s < op.time_s  # the step down past the small path, as in the measured embedding
+    for seqs in ([(8, 8, True)], [(1, 100, True)] * 16, [(24, 24, True)]):
+        b = cm.step(seqs)
+        assert b.compute_s + b.memory_s + b.overhead_s == pytest.approx(
+            sum(t.time_s for t in cm.op_times(seqs).values())
+            + cm.host_overhead_s(len(seqs), sum(n for n, _, _ in seqs))
+        )
 
 
 def _write_vidur(root: Path) -> None:

@@ -60,10 +60,14 @@ def run(args) -> int:
     print(f"  GEMM: compute_eff_max={hw.compute_eff_max:.3f} compute_half_tokens={hw.compute_half_tokens:.1f} "
           f"memory_eff_max={hw.memory_eff_max:.3f} kernel_latency_s={hw.kernel_latency_s * 1e6:.2f}us")  # fmt: skip
     for cls, c in hw.elementwise_curves.items():
+        small = (f" (<= {c.small_tokens:.0f} tokens: {c.small_latency_s * 1e6:.2f}us + "
+                 f"{c.small_per_token_s * 1e6:.2f}us/token)" if c.small_tokens else "")  # fmt: skip
         print(f"  {cls}: eff={c.eff:.3f} l2_eff_gain={c.l2_eff_gain:+.3f} sat_tokens={c.sat_tokens:.0f} "
-              f"latency={c.latency_s * 1e6:.2f}us")  # fmt: skip
+              f"latency={c.latency_s * 1e6:.2f}us "
+              f"wave_weight={c.wave_weight:.2f} l2 x{c.l2_bytes_scale:.2f}^{c.l2_sharpness:.1f}{small}")  # fmt: skip
     print(f"  host: {hw.step_overhead_s * 1e3:.3f} ms + {hw.host_overhead_per_seq_s * 1e6:.1f} us/seq "
-          f"(+{hw.host_overhead_tp_s * 1e3:.2f} ms when tp > 1)")  # fmt: skip
+          f"(when tp > 1: +{hw.host_overhead_tp_s * 1e3:.2f} ms + {hw.host_overhead_tp_per_seq_s * 1e6:.1f} us/seq"
+          f" + {hw.host_overhead_per_tp_rank_s * 1e3:.2f} ms per extra worker)")  # fmt: skip
     link = hw.tp_link
     print(f"  tp_link {link.name}: {link.bandwidth_bytes_s / 1e9:.0f} GB/s, {link.latency_s * 1e6:.1f} us")
 

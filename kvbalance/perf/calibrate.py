@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbalance.perf.cost import ATTENTION, OP_NAMES, CostModel, SeqWork, curve_eff
+from kvbalance.perf.kernels import wave_rows
 from kvbalance.specs import HardwareSpec, ModelSpec, get_link, get_model
 
 # (seqs of the step, measured seconds)
@@ -112,27 +113,25 @@ class _Features:
             * hw.memory_eff_max
             * np.where(self.attention, hw.kv_memory_eff_ratio, 1.0)
         )
-        latency = np.full(len(OP_NAMES), hw.kernel_latency_s)
+        latency = np.broadcast_to(np.full(len(OP_NAMES), hw.kernel_latency_s), self.size.shape).copy()
         for j, cls in enumerate(self.curve):
             if not cls:
                 continue
             c = hw.elementwise_curves.get(cls)
-            latency[j] = c.latency_s if c is not None else 0.0
+            latency[:, j] = c.latency_s if c is not None else 0.0
             if c is not None:
                 sz = self.size[:, j]
                 streaming[:, j] = (
                     self.bytes[:, j]
-                    * np.maximum(sz, c.sat_tokens)
+                    * np.maximum(wave_rows(sz, c.wave_weight, hw.num_sms), c.sat_tokens)
                     / (sz * hw.mem_bandwidth_bytes_s * curve_eff(c, self.bytes[:, j], hw))
                 )
+                small = sz <= c.small_tokens
+                streaming[small, j] = c.small_per_token_s * sz[small]
+                latency[small, j] = c.small_latency_s
         memory = np.where(self.has_bytes, streaming, 0.0)
         ops = ((np.maximum(compute, memory) + latency) * self.repeat).sum(axis=1)
-        host = (
-            hw.step_overhead_s
-            + (hw.host_overhead_tp_s if self.tp > 1 else 0.0)
-            + hw.host_overhead_per_seq_s * self.num_seqs
-            + hw.host_overhead_per_token_s * self.num_tokens
-        )
+        host = np.array([hw.host_overhead_s(s, t, self.tp) for s, t in zip(self.num_seqs, self.num_tokens)])
         return ops + host + hw.per_layer_overhead_s * self.num_layers + self.comm
 
 

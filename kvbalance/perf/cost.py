@@ -127,10 +127,15 @@ class CostModel:
         }
         self.overhead_s = self.host_overhead_s(0, 0)
         self._ew_class = {name: elementwise_class(name, m.arch) for name in ELEMENTWISE_OPS}
-        # per (kind, curve): the kernel latency and the class curve (None: the streaming formula)
+        # per (kind, curve): the kernel latency, and where the class has a small-token path its threshold and
+        # latency (kernels.kernel_latency_s, precomputed for the hot path)
         self._latency = {(k, c): kernel_latency_s(self.gpu, k, c) for k in (GEMM, ATTENTION) for c in ("",)}
+        self._small: dict[tuple[str, str], tuple[float, float]] = {}
         for c in set(self._ew_class.values()):
             self._latency[(ELEMENTWISE, c)] = kernel_latency_s(self.gpu, ELEMENTWISE, c)
+            curve = self.gpu.elementwise_curves.get(c)
+            if curve is not None and curve.small_tokens > 0:
+                self._small[(ELEMENTWISE, c)] = (curve.small_tokens, curve.small_latency_s)
 
     def host_overhead_s(self, num_seqs: int, num_tokens: int) -> float:
         """Overhead of a step over ``num_seqs`` sequences and ``num_tokens`` tokens outside the kernels: the
@@ -255,7 +260,7 @@ class CostModel:
         tokens = int(ops[0].size_tokens)  # the embedding runs over every token of the step
         compute_s = memory_s = flops = num_bytes = 0.0
         overhead_s = self.host_overhead_s(len(seqs), tokens)
-        latency = self._latency
+        latency, small = self._latency, self._small
         for op in ops:  # op_time's arithmetic, inlined: this is the simulator's hot path
             r = op.repeat
             c = compute_time_s(op.flops, op.size_tokens, hw, op.kind)
@@ -264,7 +269,12 @@ class CostModel:
                 compute_s += c * r
             else:
                 memory_s += mem * r
-            overhead_s += latency[op.kind, op.curve] * r
+            key = op.kind, op.curve
+            path = small.get(key) if small else None
+            if path is not None and max(op.size_tokens, 1.0) <= path[0]:
+                overhead_s += path[1] * r
+            else:
+                overhead_s += latency[key] * r
             flops += op.flops * r
             num_bytes += op.bytes * r
         return StepBreakdown(compute_s, memory_s, overhead_s, self.comm_s(tokens), 0.0, flops, num_bytes)

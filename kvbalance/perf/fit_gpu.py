@@ -6,35 +6,49 @@ Each profiled operator is evaluated on the cost model at its own shape (M tokens
 
 - weight GEMMs: ``max(F (M + M_half) / (M peak e_c), B / (bw e_m)) + t_kernel`` -> ``compute_eff_max``,
   ``compute_half_tokens``, ``memory_eff_max``, ``kernel_latency_s``;
-- each element-wise class: ``B max(T, T_sat) / (T bw e) + t0`` -> a :class:`MemoryCurve`;
-- host time per step: ``t_fixed + t_seq * batch (+ t_tp when tp > 1)``;
+- each element-wise class: ``B max(T_w, T_sat) / (T bw e) + t0``, T_w = T padded by ``w`` towards whole waves
+  of SM-count rows -> a :class:`MemoryCurve`;
+- the element-wise small-token path, where a class has one: ``t0 + t_token * T`` at or below a threshold;
+- host time per step: ``t_fixed + t_seq * batch (+ t_tp + t_tp_seq * batch + t_rank * (tp - 1) when tp > 1)``;
 - the TP link: ring all-reduce ``2 (n - 1) / n * bytes / bw + latency``.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbalance.perf.cost import CostModel, OpCount, elementwise_class, op_time
+from kvbalance.perf.cost import CostModel, OpCount, op_time
+from kvbalance.perf.fit_errors import (  # noqa: F401  (re-exported: the report and tests import them here)
+    BATCH_RANGES,
+    BYTE_RANGES,
+    GEMM_OPS,
+    TOKEN_RANGES,
+    ClassError,
+    error_rows,
+    op_class,
+    operator_errors,
+)
+from kvbalance.perf.kernels import wave_rows
 from kvbalance.perf.profiles import AllReduceSample, HostSample, OperatorSample
 from kvbalance.specs import ELEMENTWISE_CLASSES, HardwareSpec, LinkSpec, MemoryCurve
 
-GEMM_OPS = ("qkv_proj", "o_proj", "mlp_up", "mlp_down")
 GEMM_PARAMS = ("compute_eff_max", "compute_half_tokens", "memory_eff_max", "kernel_latency_s")
-# Token ranges the error report splits each class into (inclusive upper bounds).
-TOKEN_RANGES = ((1, 16), (17, 128), (129, 1024), (1025, 1 << 40))
-BATCH_RANGES = ((1, 16), (17, 64), (65, 1 << 40))
-BYTE_RANGES = ((1, 1 << 16), ((1 << 16) + 1, 1 << 20), ((1 << 20) + 1, 16 << 20), ((16 << 20) + 1, 1 << 40))
-
-
-def op_class(sample: OperatorSample) -> str:
-    """The fitted class of a profiled operator: "gemm" or its element-wise class."""
-    if sample.op in GEMM_OPS:
-        return "gemm"
-    return elementwise_class(sample.op, sample.shape.model_spec().arch)
+HOST_PARAMS = (
+    "step_overhead_s",
+    "host_overhead_per_seq_s",
+    "host_overhead_tp_s",
+    "host_overhead_tp_per_seq_s",
+    "host_overhead_per_tp_rank_s",
+)
+# Small-token path of an element-wise class: thresholds tried (tokens), distinct token counts the line needs
+# at or below them, and the cut in squared log error it must bring to be kept.
+SMALL_PATH_MAX_TOKENS = 64
+SMALL_PATH_MIN_POINTS = 3
+SMALL_PATH_GAIN = 0.1
 
 
 @dataclass
@@ -81,12 +95,13 @@ def _gemm_model(k: _Kernels, peak: float, bw: float) -> Callable[[np.ndarray], n
 def _curve_model(k: _Kernels, hw: HardwareSpec) -> Callable[[np.ndarray], np.ndarray]:
     compute = k.flops * (k.tokens + hw.compute_half_tokens) / (k.tokens * hw.peak_flops * hw.compute_eff_max)
     l2 = hw.l2_cache_bytes
-    cached = l2 / (l2 + k.bytes) if l2 > 0 else np.zeros_like(k.bytes)
+    ratio = k.bytes / l2 if l2 > 0 else np.full_like(k.bytes, np.inf)
 
     def predict(x: np.ndarray) -> np.ndarray:
-        eff, sat, lat, gain = x
-        eff_b = np.maximum(eff + gain * cached, 1e-6)
-        memory = k.bytes * np.maximum(k.tokens, sat) / (k.tokens * hw.mem_bandwidth_bytes_s * eff_b)
+        eff, sat, lat, gain, wave, scale, sharp = x
+        eff_b = np.maximum(eff + gain / (1.0 + (ratio / scale) ** sharp), 1e-6)
+        rows = np.maximum(wave_rows(k.tokens, wave, hw.num_sms), sat)
+        memory = k.bytes * rows / (k.tokens * hw.mem_bandwidth_bytes_s * eff_b)
         return np.maximum(compute, memory) + lat
 
     return predict
@@ -128,52 +143,119 @@ def fit_gemm(samples: Sequence[OperatorSample], base: HardwareSpec) -> dict[str,
     return dict(zip(GEMM_PARAMS, (float(v) for v in x)))
 
 
+def _fit_curve(k: _Kernels, hw: HardwareSpec) -> tuple[np.ndarray, float]:
+    """Best (eff, sat_tokens, latency_s, l2_eff_gain, wave_weight, l2_bytes_scale, l2_sharpness) of one class and its cost (sum of squared log errors)."""
+    cache = hw.l2_cache_bytes > 0  # fit the L2 gain only where the GPU's cache size is known
+    predict = _curve_model(k, hw)
+    best, best_cost = None, np.inf
+    # the kinks (saturation, waves, L2 cliff) have local minima: start on both sides of each (smooth, and
+    # quantised with a sharp cliff where the GPU has SMs and L2)
+    shapes = [(0.0, 1.0)] + ([(0.8 if hw.num_sms > 0 else 0.0, 8.0), (0.0, 8.0)] if cache else [])
+    for sat, (wave, sharp) in itertools.product((16.0, 128.0, 1024.0), shapes):
+        x = fit_log_least_squares(
+            predict,
+            k.time_s,
+            (0.5, sat, 2e-6, 0.2 if cache else 0.0, wave, 1.0, sharp),
+            (1e-3, 0, 0, -1.0 if cache else 0.0, 0.0, 0.05 if cache else 1.0, 1.0),
+            (
+                4,
+                1e5,
+                1e-3,
+                4.0 if cache else 1e-12,
+                1.0 if hw.num_sms > 0 else 1e-12,
+                20.0 if cache else 1 + 1e-12,
+                20.0 if cache else 1 + 1e-12,
+            ),
+        )
+        cost = float(np.sum((np.log(predict(x)) - np.log(k.time_s)) ** 2))
+        if cost < best_cost:
+            best, best_cost = x, cost
+    if cache:
+        best[3] = max(float(best[3]), 1e-3 - float(best[0]))
+    return best, best_cost
+
+
+def _fit_line(tokens: np.ndarray, time_s: np.ndarray) -> tuple[np.ndarray, float]:
+    """``latency + per_token * T`` on log time (a small-token path) and its cost."""
+
+    def predict(x: np.ndarray) -> np.ndarray:
+        return x[0] + x[1] * tokens
+
+    x = fit_log_least_squares(predict, time_s, (1e-6, 1e-7), (0, 0), (1e-3, 1e-4))
+    return x, float(np.sum((np.log(predict(x)) - np.log(time_s)) ** 2))
+
+
+def _small_path(k: _Kernels, x: np.ndarray, hw: HardwareSpec) -> tuple[float, float]:
+    """The token threshold at or below which a line fits the class better than its curve (0: none), and the
+    cost of the best split. Candidates: the class's token counts up to ``SMALL_PATH_MAX_TOKENS`` with at least
+    ``SMALL_PATH_MIN_POINTS`` distinct counts at or below them."""
+    curve_cost = (np.log(_curve_model(k, hw)(x)) - np.log(k.time_s)) ** 2
+    best_thr, best_cost = 0.0, float(curve_cost.sum())
+    counts = np.unique(k.tokens[k.tokens <= SMALL_PATH_MAX_TOKENS])
+    for thr in counts[SMALL_PATH_MIN_POINTS - 1 :]:
+        small = k.tokens <= thr
+        _, line_cost = _fit_line(k.tokens[small], k.time_s[small])
+        cost = line_cost + float(curve_cost[~small].sum())
+        if cost < best_cost:
+            best_thr, best_cost = float(thr), cost
+    return best_thr, best_cost
+
+
+def _subset(k: _Kernels, sel: np.ndarray) -> _Kernels:
+    return _Kernels(k.flops[sel], k.bytes[sel], k.tokens[sel], k.time_s[sel])
+
+
 def fit_elementwise(samples: Sequence[OperatorSample], hw: HardwareSpec) -> dict[str, MemoryCurve]:
     """One :class:`MemoryCurve` per element-wise class present in ``samples`` (after the GEMM fit: the
-    compute part uses ``hw``'s GEMM curve)."""
+    compute part uses ``hw``'s GEMM curve). A small-token path (``MemoryCurve.small_tokens``) is kept where it
+    cuts the class's squared log error by ``SMALL_PATH_GAIN`` or more; the curve is then refitted on the
+    larger token counts only."""
     curves = {}
     for cls in ELEMENTWISE_CLASSES:
         sel = [s for s in samples if op_class(s) == cls]
         if len(sel) < 3:
             continue
         k = _kernels(kernel_counts(sel, hw), sel)
-        cache = hw.l2_cache_bytes > 0  # fit the L2 gain only where the GPU's cache size is known
-        predict = _curve_model(k, hw)
-        best, best_cost = None, np.inf
-        for sat in (16.0, 128.0, 1024.0):  # the max() kink has local minima: start on both sides of it
-            x = fit_log_least_squares(
-                predict,
-                k.time_s,
-                (0.5, sat, 2e-6, 0.2 if cache else 0.0),
-                (1e-3, 0, 0, -1.0 if cache else 0.0),
-                (4, 1e5, 1e-3, 4.0 if cache else 1e-12),
-            )
-            cost = float(np.sum((np.log(predict(x)) - np.log(k.time_s)) ** 2))
-            if cost < best_cost:
-                best, best_cost = x, cost
-        x = best
-        gain = max(float(x[3]), 1e-3 - float(x[0])) if cache else 0.0
-        curves[cls] = MemoryCurve(float(x[0]), float(x[1]), float(x[2]), l2_eff_gain=gain)
+        x, cost = _fit_curve(k, hw)
+        thr, split_cost = _small_path(k, x, hw)
+        small_fit = {}
+        if thr > 0 and split_cost < (1 - SMALL_PATH_GAIN) * cost:
+            small = k.tokens <= thr
+            x, _ = _fit_curve(_subset(k, ~small), hw)
+            line, _ = _fit_line(k.tokens[small], k.time_s[small])
+            small_fit = {
+                "small_tokens": thr,
+                "small_latency_s": float(line[0]),
+                "small_per_token_s": float(line[1]),
+            }
+        gain = float(x[3]) if hw.l2_cache_bytes > 0 else 0.0
+        wave = float(x[4]) if hw.num_sms > 0 else 0.0
+        l2 = {"l2_bytes_scale": float(x[5]), "l2_sharpness": float(x[6])} if hw.l2_cache_bytes > 0 else {}
+        curves[cls] = MemoryCurve(
+            float(x[0]), float(x[1]), float(x[2]), gain, wave_weight=wave, **l2, **small_fit
+        )
     return curves
 
 
 def fit_host(samples: Sequence[HostSample]) -> dict[str, float]:
-    """Host time per step: fixed + per sequence (+ TP synchronisation when tp > 1)."""
-    if len(samples) < 3:
-        raise ValueError(f"samples: need at least 3 host-overhead samples, got {len(samples)}")
+    """Host time per step: fixed + per sequence, and when tp > 1: + TP fixed + TP per sequence + per extra
+    worker (``HardwareSpec.host_overhead_s``)."""
+    if len(samples) < len(HOST_PARAMS):
+        raise ValueError(
+            f"samples: need at least {len(HOST_PARAMS)} host-overhead samples, got {len(samples)}"
+        )
     b = np.array([s.batch_size for s in samples], dtype=float)
-    multi = np.array([s.tp > 1 for s in samples], dtype=float)
+    tp = np.array([s.tp for s in samples], dtype=float)
+    multi = (tp > 1).astype(float)
     t = np.array([s.time_s for s in samples])
 
     def predict(x: np.ndarray) -> np.ndarray:
-        return x[0] + x[1] * b + x[2] * multi
+        return x[0] + x[1] * b + multi * (x[2] + x[3] * b) + x[4] * (tp - 1)
 
-    x = fit_log_least_squares(predict, t, (1e-3, 5e-5, 2e-3), (1e-6, 0, 0), (1, 1e-2, 1))
-    return {
-        "step_overhead_s": float(x[0]),
-        "host_overhead_per_seq_s": float(x[1]),
-        "host_overhead_tp_s": float(x[2]),
-    }
+    x = fit_log_least_squares(
+        predict, t, (1e-3, 5e-5, 2e-3, 5e-5, 5e-4), (1e-6, 0, 0, 0, 0), (1, 1e-2, 1, 1e-2, 1e-1)
+    )
+    return dict(zip(HOST_PARAMS, (float(v) for v in x)))
 
 
 def allreduce_predict(samples: Sequence[AllReduceSample], link: LinkSpec) -> np.ndarray:
@@ -199,22 +281,7 @@ def fit_link(samples: Sequence[AllReduceSample], base: LinkSpec, name: str) -> L
     return LinkSpec(name, float(x[0]), float(x[1]), note)
 
 
-# -- errors ------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ClassError:
-    """Relative error |pred / meas - 1| of one operator class over one token range."""
-
-    op_class: str
-    tokens: str
-    count: int
-    median: float
-    worst: float
-
-    def to_dict(self) -> dict:
-        return {"class": self.op_class, "tokens": self.tokens, "count": self.count,
-                "median_rel_error": self.median, "worst_rel_error": self.worst}  # fmt: skip
+# -- the fit and its errors --------------------------------------------------------------------------
 
 
 @dataclass
@@ -230,33 +297,6 @@ class FitResult:
 def predict_operator_samples(samples: Sequence[OperatorSample], hw: HardwareSpec) -> np.ndarray:
     """The cost model's time of each profiled operator on ``hw`` (the scalar path :func:`op_time`)."""
     return np.array([op_time(c, hw).time_s for c in kernel_counts(samples, hw)])
-
-
-def _error_rows(
-    label_of: Sequence[str], size: np.ndarray, pred: np.ndarray, meas: np.ndarray, ranges=TOKEN_RANGES
-) -> list[ClassError]:
-    rel = np.abs(pred / meas - 1.0)
-    labels = np.array(label_of)
-    rows = []
-    for cls in dict.fromkeys(label_of):
-        in_cls = labels == cls
-        rows.append(
-            ClassError(cls, "all", int(in_cls.sum()), float(np.median(rel[in_cls])), float(rel[in_cls].max()))
-        )
-        for lo, hi in ranges:
-            sel = in_cls & (size >= lo) & (size <= hi)
-            if sel.any():
-                span = f"{lo}-{hi}" if hi < 1 << 40 else f">={lo}"
-                rows.append(
-                    ClassError(cls, span, int(sel.sum()), float(np.median(rel[sel])), float(rel[sel].max()))
-                )
-    return rows
-
-
-def operator_errors(samples: Sequence[OperatorSample], pred: np.ndarray) -> list[ClassError]:
-    meas = np.array([s.time_s for s in samples])
-    tokens = np.array([s.num_tokens for s in samples])
-    return _error_rows([op_class(s) for s in samples], tokens, pred, meas)
 
 
 def fit_gpu(
@@ -297,12 +337,12 @@ def fit_gpu(
     if host:
         hp = np.array([hw.host_overhead_s(s.batch_size, s.batch_size, s.tp) for s in host])
         hm = np.array([s.time_s for s in host])
-        host_err = _error_rows([f"host tp{'>1' if s.tp > 1 else '=1'}" for s in host],
+        host_err = error_rows([f"host tp{'>1' if s.tp > 1 else '=1'}" for s in host],
                                np.array([s.batch_size for s in host]), hp, hm, BATCH_RANGES)  # fmt: skip
     link_err = []
     if allreduce:
         am = np.array([s.time_s for s in allreduce])
-        link_err = _error_rows([f"all-reduce x{s.num_workers}" for s in allreduce],
+        link_err = error_rows([f"all-reduce x{s.num_workers}" for s in allreduce],
                                np.array([s.size_bytes for s in allreduce]), allreduce_predict(allreduce, hw.tp_link), am,
                                BYTE_RANGES)  # fmt: skip
     return FitResult(hw, pred, list(ops), errors, host_err, link_err)

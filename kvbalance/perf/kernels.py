@@ -5,6 +5,7 @@ element-wise counts) and how long it takes on a HardwareSpec (compute curve, mem
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvbalance.specs import HardwareSpec, MemoryCurve
@@ -88,7 +89,7 @@ def memory_time_s(
     num_bytes: float, hw: HardwareSpec, kind: str = GEMM, size_tokens: float = 1.0, curve: str = ""
 ) -> float:
     """Element-wise class ``curve`` with a fitted :class:`MemoryCurve`: bytes * max(T, T_sat) / (T * bw * e),
-    e = :func:`curve_eff`.
+    e = :func:`curve_eff`, with T in the numerator padded towards whole waves (:func:`wave_rows`); at or below the curve's ``small_tokens``, its small path ``small_per_token_s * T``.
     Otherwise bytes / (bw * eff_m(bytes)), eff_m(b) = eff_max * b / (b + b_half); attention's KV reads scaled
     by ``kv_memory_eff_ratio``."""
     if num_bytes <= 0:
@@ -96,23 +97,41 @@ def memory_time_s(
     c = hw.elementwise_curves.get(curve) if curve else None
     if c is not None:
         x = max(size_tokens, 1.0)
-        return num_bytes * max(x, c.sat_tokens) / (x * hw.mem_bandwidth_bytes_s * curve_eff(c, num_bytes, hw))
+        if x <= c.small_tokens:
+            return c.small_per_token_s * x
+        rows = wave_rows(x, c.wave_weight, hw.num_sms)
+        return (
+            num_bytes * max(rows, c.sat_tokens) / (x * hw.mem_bandwidth_bytes_s * curve_eff(c, num_bytes, hw))
+        )
     eff = hw.memory_eff_max * (hw.kv_memory_eff_ratio if kind == ATTENTION else 1.0)
     return (num_bytes + hw.memory_half_bytes) / (hw.mem_bandwidth_bytes_s * eff)
 
 
+def wave_rows(tokens, wave_weight: float, num_sms: int):
+    """Token rows a one-block-per-row kernel pays for: T + w * (ceil(T / SMs) * SMs - T) (T without SMs or w)."""
+    if wave_weight <= 0 or num_sms <= 0:
+        return tokens
+    return tokens + wave_weight * (-(-tokens // num_sms) * num_sms - tokens)  # ceil, for floats and arrays
+
+
 def curve_eff(c: MemoryCurve, num_bytes, hw: HardwareSpec):
-    """A class's bandwidth fraction for a launch moving ``num_bytes``: eff + gain * L2 / (L2 + bytes)."""
+    """A class's bandwidth fraction for a launch moving ``num_bytes``: eff + gain / (1 + (bytes / (s L2)) ** p)
+    (:class:`~kvbalance.specs.MemoryCurve`)."""
     if hw.l2_cache_bytes <= 0 or c.l2_eff_gain == 0:
         return c.eff
-    return c.eff + c.l2_eff_gain * hw.l2_cache_bytes / (hw.l2_cache_bytes + num_bytes)
+    return c.eff + c.l2_eff_gain / (
+        1.0 + (num_bytes / (c.l2_bytes_scale * hw.l2_cache_bytes)) ** c.l2_sharpness
+    )
 
 
-def kernel_latency_s(hw: HardwareSpec, kind: str, curve: str = "") -> float:
-    """Fixed time of one kernel: the class curve's latency for element-wise kernels, else the GPU's."""
+def kernel_latency_s(hw: HardwareSpec, kind: str, curve: str = "", size_tokens: float = math.inf) -> float:
+    """Fixed time of one kernel: the class curve's latency for element-wise kernels (its small path's at or
+    below ``small_tokens``; by default the large-token latency), else the GPU's."""
     if kind == ELEMENTWISE:
         c = hw.elementwise_curves.get(curve) if curve else None
-        return c.latency_s if c is not None else 0.0
+        if c is None:
+            return 0.0
+        return c.small_latency_s if max(size_tokens, 1.0) <= c.small_tokens else c.latency_s
     return hw.kernel_latency_s
 
 
@@ -126,7 +145,7 @@ def op_time(op: OpCount, hw: HardwareSpec) -> OpTime:
         bytes=op.bytes * r,
         compute_s=compute_time_s(op.flops, op.size_tokens, hw, op.kind) * r,
         memory_s=memory_time_s(op.bytes, hw, op.kind, op.size_tokens, curve) * r,
-        latency_s=kernel_latency_s(hw, op.kind, curve) * r,
+        latency_s=kernel_latency_s(hw, op.kind, curve, op.size_tokens) * r,
     )
 
 
