@@ -88,7 +88,7 @@ def test_attention_split_decode_step_is_the_split_formula():
 
 
 def test_prefill_heavy_burst_migrates_layers_and_evens_the_busy_fractions():
-    cfg = _cfg(PREFILL_HEAVY, 8.0, 50)
+    cfg = _cfg(PREFILL_HEAVY, 8.0, 80)
     base = _pd(cfg, None).run(_requests(cfg))
     cluster = _pd(cfg, MigrationSection())
     run = cluster.run(_requests(cfg))
@@ -97,7 +97,9 @@ def test_prefill_heavy_burst_migrates_layers_and_evens_the_busy_fractions():
     assert (m["kind"], m["src"], m["dst"]) == ("layer", "prefill-0", "decode-1")
     assert m["bytes"] > 0 and m["finish_s"] - m["start_s"] == pytest.approx(m["duration_s"])
     assert all(r.state is RequestState.FINISHED for r in run.requests)
-    assert _imbalance(run.busy_fractions()) < _imbalance(base.busy_fractions()) - 0.1
+    before, after = _imbalance(base.busy_fractions()), _imbalance(run.busy_fractions())
+    assert before > 0.15 and after < 0.5 * before  # measured: 0.204 -> 0.077
+    assert run.span_s < base.span_s  # the pipelined prefill instance drains the burst sooner
     assert cluster.members[1].helper_durations_s  # the helper ran its stage
     # the memory ledger: the moved weights left the source and landed on the helper, nothing reserved
     mem = cluster.migration.memory
