@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvbalance.cluster.adaptive import MigrationSection
 from kvbalance.cluster.core import Cluster, ClusterRun, sim_member
 from kvbalance.cluster.routers import ROUTERS
 from kvbalance.cluster.topology import Topology
@@ -65,9 +66,7 @@ class ClusterConfig(BaseModel):
     decode_router: str = "least_loaded"
     layerwise_transfer: bool = True
     store: StoreSection | None = None
-    # TODO(migration): adaptive layer-/attention-level migration (cluster/migration.py, by the migration
-    # engineer) plugs in here; until it is integrated a migration section is refused, not ignored.
-    migration: dict[str, Any] | None = None
+    migration: MigrationSection | None = None  # BanaServe's adaptive migration (cluster/adaptive.py)
 
     @field_validator("router", "decode_router")
     @classmethod
@@ -80,13 +79,6 @@ class ClusterConfig(BaseModel):
     @classmethod
     def _known_link(cls, v: str) -> str:
         get_link(v)
-        return v
-
-    @field_validator("migration")
-    @classmethod
-    def _no_migration_yet(cls, v):
-        if v:
-            raise ValueError("migration is not integrated yet (cluster/migration.py); remove the section")
         return v
 
     @model_validator(mode="after")
@@ -127,6 +119,7 @@ def build_cluster(sim: SimulateConfig, cfg: ClusterConfig, *, check_invariants: 
         pd_options={"layerwise_transfer": cfg.layerwise_transfer},
         store=store,
         check_invariants=check_invariants,
+        migration=cfg.migration,
     )
 
 
@@ -169,7 +162,8 @@ def run_cluster(
             "store_fetched_blocks": store.fetched_blocks if store else 0,
             "store_saved_blocks": store.saved_blocks if store else 0,
             "pd_transfers": len(cluster.pd.handoffs) if cluster.pd else 0,
-            "migrations": 0,  # TODO(migration)
+            "migrations": len(run.migrations),
+            "migration_log": run.migrations,
             "num_steps": sum(i.num_steps for i in insts),
         },
     )

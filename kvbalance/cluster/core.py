@@ -50,6 +50,8 @@ class Member:
     timeline: Timeline = field(init=False)
     step_starts_s: list[float] = field(default_factory=list)
     step_durations_s: list[float] = field(default_factory=list)
+    helper_durations_s: list[float] = field(default_factory=list)  # its share of a migrated member's steps
+    waited_s: float = 0.0  # of its steps' time, spent waiting on a helper GPU (not busy here)
     driver: InstanceDriver | None = None
 
     def __post_init__(self) -> None:
@@ -73,13 +75,18 @@ class ClusterRun:
     assignment: dict[str, int]  # request id -> member index of its prefill (or colocated) instance
     decode_assignment: dict[str, int]  # request id -> member index of its decode instance (P/D only)
     span_s: float  # first arrival -> last finish
+    migrations: list[dict] = field(default_factory=list)  # landed migrations (cluster/adaptive.py's log)
 
     @property
     def timelines(self) -> list[Timeline]:
         return [m.timeline for m in self.members]
 
     def busy_fractions(self) -> dict[str, float]:
-        return {m.name: busy_fraction(m.step_durations_s, self.span_s) for m in self.members}
+        return {
+            m.name: busy_fraction(m.step_durations_s + m.helper_durations_s, self.span_s)
+            - (m.waited_s / self.span_s if self.span_s > 0 else 0.0)
+            for m in self.members
+        }
 
     def hot_spot_ratio(self) -> dict[str, float]:
         """max / min busy fraction across members of the same role."""
@@ -137,6 +144,7 @@ class Cluster:
         monitor: UtilizationMonitor | None = None,
         control_interval_s: float = 0.5,
         on_tick: Callable[[Cluster, float, dict], None] | None = None,
+        migration: Any = None,
     ) -> None:
         self.members = list(members)
         if not self.members:
@@ -186,8 +194,14 @@ class Cluster:
                     f"members: {m.name} was built without a ClusterConnector (use cluster.core.sim_member)"
                 )
         # per-GPU utilisation (``cluster/monitor.py``) sampled every ``control_interval_s``; ``on_tick`` is
-        # where a controller acts on it. TODO(migration): the adaptive migrator (``cluster/migration.py``)
-        # plugs in as an on_tick that calls migrator.step(now, snapshot, candidates, on_finish=apply).
+        # where a controller acts on it. ``migration`` (a ``MigrationSection``): BanaServe's adaptive
+        # migration (``cluster/adaptive.py``) as the on_tick, with its own monitor window and interval.
+        self.migration = None
+        if migration is not None:
+            if on_tick is not None:
+                raise ValueError("on_tick: migration brings its own controller; pass one or the other")
+            monitor = monitor or UtilizationMonitor(migration.window_s)
+            control_interval_s = migration.control_interval_s
         self.monitor = monitor
         self.control_interval_s = control_interval_s
         self.on_tick = on_tick
@@ -197,6 +211,10 @@ class Cluster:
             for m in self.members:
                 for g in m.gpus:
                     monitor.add_gpu(gpu_name(g))
+        if migration is not None:
+            from kvbalance.cluster.adaptive import MigrationController
+
+            self.migration = self.on_tick = MigrationController(self, migration)
         for m in self.members:
             m.driver = InstanceDriver(
                 self.loop, m.instance, on_step=self._step_hook(m), on_finish=self._finish_hook(m)
@@ -251,6 +269,8 @@ class Cluster:
                     self.monitor.record_step(gpu_name(g), outcome.start_s, outcome.result.breakdown,
                                              outcome.result.duration_s)  # fmt: skip
                     self.monitor.record_kv(gpu_name(g), min(1.0, kv))
+            if self.migration is not None:
+                self.migration.on_step(m, outcome.start_s)
             if self.pd is not None:
                 self.pd.on_step(m, outcome)
             if self.store is not None and m.role != "decode":
@@ -324,7 +344,8 @@ class Cluster:
         first = min((r.arrival_s for r in reqs), default=0.0)
         last = max((r.finish_s for r in reqs if r.finish_s is not None), default=first)
         span = last - first if last > first else math.inf
-        return ClusterRun(reqs, self.members, dict(self.assignment), dict(self.decode_assignment), span)
+        log = list(self.migration.log) if self.migration is not None else []
+        return ClusterRun(reqs, self.members, dict(self.assignment), dict(self.decode_assignment), span, log)
 
 
 def sim_member(

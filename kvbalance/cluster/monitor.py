@@ -58,8 +58,9 @@ class _Step:
 @dataclass
 class _Track:
     since_s: float
-    steps: deque = field(default_factory=deque)
+    steps: deque = field(default_factory=deque)  # in start order
     kv_util: float = 0.0
+    last_start_s: float | None = None  # of the latest step recorded with ``record_step``
 
 
 class UtilizationMonitor:
@@ -103,13 +104,28 @@ class UtilizationMonitor:
         )
         if d < 0 or breakdown.compute_s < 0 or breakdown.memory_s < 0:
             raise ValueError(f"duration_s: a step cannot take negative time ({d}, breakdown {breakdown})")
-        if tr.steps and start_s < tr.steps[-1].start_s:
+        if tr.last_start_s is not None and start_s < tr.last_start_s:
             raise ValueError(
-                f"start_s: {start_s} is before the previous step's start {tr.steps[-1].start_s} on {gpu!r}"
+                f"start_s: {start_s} is before the previous step's start {tr.last_start_s} on {gpu!r}"
             )
+        tr.last_start_s = start_s
+        self._insert(gpu, tr, start_s, d, breakdown)
+
+    def record_share(self, gpu: str, start_s: float, breakdown: StepBreakdown, duration_s: float) -> None:
+        """Work ``gpu`` does for another instance's step (a migration's helper): any order in time."""
+        if duration_s < 0 or breakdown.compute_s < 0 or breakdown.memory_s < 0:
+            raise ValueError(f"duration_s: a share cannot take negative time ({duration_s}, {breakdown})")
+        self._insert(gpu, self._track(gpu), start_s, duration_s, breakdown)
+
+    @staticmethod
+    def _insert(gpu: str, tr: _Track, start_s: float, d: float, breakdown: StepBreakdown) -> None:
         if start_s < tr.since_s:
             raise ValueError(f"start_s: {start_s} is before {gpu!r} was added at {tr.since_s}")
-        tr.steps.append(_Step(start_s, start_s + d, breakdown.compute_s, breakdown.memory_s))
+        step = _Step(start_s, start_s + d, breakdown.compute_s, breakdown.memory_s)
+        i = len(tr.steps)
+        while i > 0 and tr.steps[i - 1].start_s > start_s:
+            i -= 1  # recorded steps arrive nearly in order: few to walk past
+        tr.steps.insert(i, step)
 
     def record_kv(self, gpu: str, kv_utilization: float) -> None:
         """Latest KV occupancy of ``gpu`` (used / capacity of its KV pool, e.g. ``InstanceLoad.kv_utilization``)."""

@@ -5,12 +5,13 @@
 * ``distserve``: a static prefill/decode split chosen as DistServe does — enumerate the splits and each
   phase's parallelism for the GPU budget and keep the one with the highest rate at which 90% of requests
   meet both the TTFT and the TPOT SLO (``max_rate_at_slo``).
-* ``banaserve``: DistServe's split plus the global KV store and load-aware routing; adaptive migration is
-  not integrated yet (TODO(migration)), so ``banaserve`` and ``banaserve-no-migration`` are the same run
-  until it is — reports must say so.
+* ``banaserve``: DistServe's split plus the global KV store, load-aware routing and adaptive layer- /
+  attention-level migration (``cluster/adaptive.py``, default thresholds); ``banaserve-no-migration`` is
+  the same without migration.
 * ablations: ``banaserve-no-store`` (split + load-aware routing, local prefix caches only) and
   ``banaserve-cache-aware`` (split + store + sgl-router's cache-aware routing).
-* ``llumnix`` needs request-level live migration (the migration engineer's components): TODO(migration).
+* ``llumnix`` needs request-level live migration between colocated instances (``perf/migration.py``'s
+  ``live_migration_cost`` is there, moving a request's KV between two block pools is not): not run.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 
+from kvbalance.cluster.adaptive import MigrationSection
 from kvbalance.cluster.config import ClusterConfig, InstanceGroup, StoreSection
 
 SYSTEMS = (
@@ -28,7 +30,9 @@ SYSTEMS = (
     "banaserve-no-store",
     "banaserve-cache-aware",
 )
-NOT_YET = {"llumnix": "request-level live migration is not integrated yet (TODO(migration))"}
+NOT_YET = {
+    "llumnix": "request-level live migration (moving a running request's KV between instances) is not wired in"
+}
 VLLM_ROUTERS = ("round_robin", "least_loaded", "cache_aware", "kv_aware")
 
 
@@ -42,7 +46,7 @@ def vllm_config(num_gpus: int, router: str = "least_loaded", tp: int = 1) -> Clu
 
 def pd_config(
     num_prefill: int, num_decode: int, tp_prefill: int = 1, tp_decode: int = 1, *, router: str = "least_loaded",
-    store: bool = False, layerwise_transfer: bool = True,
+    store: bool = False, layerwise_transfer: bool = True, migration: bool = False,
 ) -> ClusterConfig:  # fmt: skip
     return ClusterConfig(
         instances=[
@@ -52,6 +56,7 @@ def pd_config(
         router=router,
         store=StoreSection() if store else None,
         layerwise_transfer=layerwise_transfer,
+        migration=MigrationSection() if migration else None,
     )
 
 
@@ -77,7 +82,7 @@ def system_config(
     if system == "distserve":
         return pd_config(p, d, tp_p, tp_d, router=router or "least_loaded")
     if system in ("banaserve", "banaserve-no-migration"):
-        return pd_config(p, d, tp_p, tp_d, router="load_aware", store=True)
+        return pd_config(p, d, tp_p, tp_d, router="load_aware", store=True, migration=system == "banaserve")
     if system == "banaserve-no-store":
         return pd_config(p, d, tp_p, tp_d, router="load_aware")
     if system == "banaserve-cache-aware":

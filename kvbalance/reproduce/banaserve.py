@@ -9,9 +9,9 @@ request set at an overload rate, twice the best max rate found, the same for eve
 ``hot_spot_ratio`` (max / min busy fraction over instances of a role, at the overload rate) and
 ``migrations``. Baselines run at their best: vLLM under the best of its routers, DistServe under the split
 (and per-phase TP in the full run) with the highest max rate at SLO, chosen on Poisson arrivals and kept for
-the bursty ones (a static plan). BanaServe starts from DistServe's split. Adaptive migration and Llumnix
-are not integrated yet (TODO(migration)): ``banaserve`` equals ``banaserve-no-migration`` and Llumnix is
-listed as not run — the README says so.
+the bursty ones (a static plan). BanaServe starts from DistServe's split and adds adaptive layer- and
+attention-level migration (``cluster/adaptive.py``); ``banaserve-no-migration`` is the ablation. Llumnix
+(request-level live migration between block pools) is listed as not run — the README says so.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def _measure(
         "hot_spot_ratio": s["hot_spot_ratio"],
         "hot_spot_ratio_by_role": s["hot_spot_ratio_by_role"],
         "migrations": s["migrations"],
+        "migration_log": s.get("migration_log", []),
         "store_fetched_blocks": s["store_fetched_blocks"],
         "preemptions": s["preemptions"],
         "busy_series": {
