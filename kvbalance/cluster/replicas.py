@@ -17,9 +17,8 @@ from kvbalance.cluster.topology import Topology
 from kvbalance.metrics.summary import summarize
 from kvbalance.metrics.timeline import Timeline
 from kvbalance.request import Request, RequestState
-from kvbalance.sim.run import SimulateConfig, build_sim_instance
+from kvbalance.sim.run import SimulateConfig, build_sim_instance, config_requests
 from kvbalance.theory.measure import Saturation, saturation_from_run
-from kvbalance.workloads.presets import build_requests
 
 
 @dataclass
@@ -80,16 +79,7 @@ def simulate_replicas(
     members = replica_members(cfg, num_instances)
     instances = [m.instance for m in members]
     if requests is None:
-        requests = build_requests(
-            cfg.workload,
-            cfg.num_requests,
-            cfg.rate,
-            cfg.seed,
-            instances[0].max_context,
-            arrival=cfg.arrival,
-            cv=cfg.cv,
-            time_scale=cfg.time_scale,
-        )
+        requests = config_requests(cfg, instances[0].max_context)
     topo = Topology.build(cfg.gpu, num_instances * cfg.tp)
     cluster = Cluster(members, topo, router=router)
     run = cluster.run(requests)

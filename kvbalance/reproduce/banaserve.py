@@ -24,6 +24,7 @@ from typing import Any
 from kvbalance.cluster.evaluate import Workbench
 from kvbalance.cluster.systems import (
     NOT_YET,
+    SYSTEMS,
     VLLM_ROUTERS,
     distserve_splits,
     pd_config,
@@ -41,14 +42,6 @@ SEED = 0
 SLOS = {"alpaca": (0.25, 0.1), "longbench": (1.5, 0.1)}
 ARRIVALS = {"poisson": ("poisson", 1.0), "bursty": ("gamma", 4.0)}
 START_RPS = {"alpaca": 64.0, "longbench": 4.0}
-SYSTEMS = (
-    "vllm",
-    "distserve",
-    "banaserve",
-    "banaserve-no-migration",
-    "banaserve-no-store",
-    "banaserve-cache-aware",
-)
 PAPER = {  # BanaServe's reported ranges
     "throughput_vs_vllm": "1.2-3.9x",
     "throughput_vs_distserve": "1.1-2.8x",

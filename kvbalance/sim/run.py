@@ -141,6 +141,20 @@ def build_sim_instance(
     return build_instance(icfg, SimExecutor(cost), connector), cost
 
 
+def config_requests(cfg: SimulateConfig, max_context: int) -> list[Request]:
+    """The request set a config describes (workload, count, rate, arrivals, seed), capped at ``max_context``."""
+    return build_requests(
+        cfg.workload,
+        cfg.num_requests,
+        cfg.rate,
+        cfg.seed,
+        max_context,
+        arrival=cfg.arrival,
+        cv=cfg.cv,
+        time_scale=cfg.time_scale,
+    )
+
+
 def run_simulation(
     cfg: SimulateConfig,
     *,
@@ -151,16 +165,7 @@ def run_simulation(
 ) -> SimulationResult:
     inst, _ = build_sim_instance(cfg)
     if requests is None:
-        requests = build_requests(
-            cfg.workload,
-            cfg.num_requests,
-            cfg.rate,
-            cfg.seed,
-            inst.max_context,
-            arrival=cfg.arrival,
-            cv=cfg.cv,
-            time_scale=cfg.time_scale,
-        )
+        requests = config_requests(cfg, inst.max_context)
     timeline = Timeline(inst.name)
     cap = inst.kv_capacity_tokens
 
