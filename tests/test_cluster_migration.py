@@ -172,3 +172,27 @@ def test_steady_balanced_load_never_migrates():
     run = cluster.run(_requests(cfg))
     assert run.migrations == [] and cluster.monitor.history  # the controller ran, found nothing to do
     assert not cluster.migration.migrator.armed
+
+
+def test_block_pools_follow_a_layer_move_and_a_helper_short_of_blocks_refuses_it():
+    cfg = _cfg(PREFILL_HEAVY, 8.0, 50)
+    cluster = _pd(cfg, MigrationSection())
+    run = cluster.run(_requests(cfg))
+    m = run.migrations[0]
+    (n, n2), (h, h2) = m["src_pool_blocks"], m["dst_pool_blocks"]
+    src = cluster.members[0].instance
+    k, L = m["layers"][0], src.executor.cost_model.model.num_layers
+    block = src.pool.block_size * src.executor.cost_model.kv_bytes_per_token
+    weights = m["weight_bytes"]
+    assert (k, L) == (28, 32) and n2 == n * L // k  # a source block holds 28 of 32 layers: 8/7 the tokens
+    assert n2 * block * k / L <= n * block  # ... in the memory it had
+    assert (h - h2) * block >= weights + n2 * block * (L - k) / L  # the helper holds the moved layers' part
+    assert h - h2 <= 0.5 * h  # helper_kv_lend_fraction
+    assert (src.pool.num_blocks, cluster.members[1].instance.pool.num_blocks) == (n2, h2)
+    for mem in cluster.members:
+        mem.instance.pool.check_invariants()
+    # a helper that may lend nothing cannot hold the moved layers: no layer move starts
+    stingy = _pd(cfg, MigrationSection(helper_kv_lend_fraction=0.0))
+    run = stingy.run(_requests(cfg))
+    assert all(x["kind"] != "layer" for x in run.migrations)
+    assert [mm.instance.pool.num_blocks for mm in stingy.members] == [n, h]

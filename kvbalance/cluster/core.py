@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvbalance.cluster.connector import ClusterConnector
+from kvbalance.cluster.lazy_load import LazyLoad
 from kvbalance.cluster.monitor import UtilizationMonitor
 from kvbalance.cluster.routers import Router, build_router
 from kvbalance.cluster.topology import Topology
@@ -172,7 +173,7 @@ class Cluster:
             decode_router if isinstance(decode_router, Router) else build_router(decode_router, bs)
         )
         self.check_invariants = check_invariants
-        self._on_finish = on_finish
+        self.on_finish = on_finish  # called once per request as it finishes (or is rejected)
         self.assignment: dict[str, int] = {}
         self.decode_assignment: dict[str, int] = {}
         self.pd = None
@@ -222,8 +223,9 @@ class Cluster:
 
     # -- loads ------------------------------------------------------------------
     def load(self, m: Member) -> InstanceLoad:
-        """``Instance.load()``: requests whose KV is arriving count as ``num_loading`` there."""
-        return m.instance.load()
+        """``Instance.load()``: requests whose KV is arriving count as ``num_loading`` there. Lazy
+        (``cluster/lazy_load.py``): token sums are computed only if the router reads them."""
+        return LazyLoad(m.instance)  # type: ignore[return-value]
 
     def loads(self, members: Sequence[Member]) -> list[InstanceLoad]:
         return [self.load(m) for m in members]
@@ -295,8 +297,8 @@ class Cluster:
             m.driver.kick()
 
     def _finished(self, req: Request) -> None:
-        if self._on_finish is not None:
-            self._on_finish(req)
+        if self.on_finish is not None:
+            self.on_finish(req)
 
     def abort(self, req: Request) -> None:
         """Client abort, wherever the request is: queued or running on its prefill (or colocated) member,

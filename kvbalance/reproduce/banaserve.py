@@ -41,7 +41,7 @@ SEED = 0
 # summarisation SLOs are loose on TTFT for the same reason), TPOT stays 0.1 s (reading speed).
 SLOS = {"alpaca": (0.25, 0.1), "longbench": (1.5, 0.1)}
 ARRIVALS = {"poisson": ("poisson", 1.0), "bursty": ("gamma", 4.0)}
-START_RPS = {"alpaca": 64.0, "longbench": 4.0}
+START_RPS = {"alpaca": 256.0, "longbench": 8.0}  # the first search's start: only its cost depends on it
 PAPER = {  # BanaServe's reported ranges
     "throughput_vs_vllm": "1.2-3.9x",
     "throughput_vs_distserve": "1.1-2.8x",
@@ -51,12 +51,19 @@ PAPER = {  # BanaServe's reported ranges
 
 
 def _sizes(quick: bool) -> dict[str, Any]:
-    # per workload: (arrival span s, min requests, max requests); "prefill": GPUs given to prefill tried
+    # per workload: (arrival span s, min requests, max requests); "prefill": GPUs given to prefill tried;
+    # "resolution": of the max-rate search (the threshold lies in [rate, rate x (1 + resolution)])
     if quick:
-        n = {"alpaca": (2.0, 100, 5000), "longbench": (12.0, 40, 400)}
-        return {"models": ("llama-13b",), "n": n, "iters": 3, "tps": (1,), "prefill": range(2, 7)}
+        n = {"alpaca": (1.0, 100, 1500), "longbench": (8.0, 40, 240)}
+        return {"models": ("llama-13b",), "n": n, "resolution": 0.1, "tps": (1,), "prefill": range(2, 7)}
     n = {"alpaca": (20.0, 200, 8000), "longbench": (60.0, 100, 1000)}
-    return {"models": ("llama-13b", "opt-13b"), "n": n, "iters": 5, "tps": (1, 2), "prefill": range(1, 8)}
+    return {
+        "models": ("llama-13b", "opt-13b"),
+        "n": n,
+        "resolution": 0.03,
+        "tps": (1, 2),
+        "prefill": range(1, 8),
+    }
 
 
 def _measure(
@@ -95,22 +102,26 @@ def _one_setting(model, workload, arrival, sizes, split, tick) -> tuple[list[dic
     ttft, tpot = SLOS[workload]
     span, lo, hi = sizes["n"][workload]
     wb = Workbench(model, GPU, workload, kind, cv, ttft, tpot, duration_s=span, min_requests=lo, max_requests=hi,
-                   seed=SEED, iters=sizes["iters"], on_run=tick)  # fmt: skip
+                   seed=SEED, resolution=sizes["resolution"], on_run=tick)  # fmt: skip
     start = START_RPS[workload]
     notes: dict[str, Any] = {}
     if split is None:  # DistServe's search: every split and per-phase TP of the budget
         splits = [sp for sp in distserve_splits(NUM_GPUS, sizes["tps"]) if sp[0] * sp[2] in sizes["prefill"]]
+        # the even split first (the likely winner: then the others are pruned in a probe or two)
+        splits.sort(key=lambda sp: (abs(2 * sp[0] * sp[2] - NUM_GPUS), sp))
         i, _, rates = wb.best_of([pd_config(*sp) for sp in splits], start)
         split = splits[i]
         notes["distserve_search"] = [
             {"split": sp, "max_rate_at_slo_rps": r or None} for sp, r in zip(splits, rates)
         ]
+    ds = wb.max_rate_at_slo(system_config("distserve", NUM_GPUS, split), start)  # searched above if split was
     routers = list(VLLM_ROUTERS)
-    j, _, rates = wb.best_of([vllm_config(NUM_GPUS, r) for r in routers], start)
+    j, _, rates = wb.best_of([vllm_config(NUM_GPUS, r) for r in routers], ds or start)
     notes["vllm_routers"] = {r: (x or None) for r, x in zip(routers, rates)}
     cfgs = {s: system_config(s, NUM_GPUS, split, routers[j] if s == "vllm" else None) for s in SYSTEMS}
-    ds = wb.max_rate_at_slo(cfgs["distserve"], start)
-    max_rates = {s: wb.max_rate_at_slo(c, ds or start) for s, c in cfgs.items()}
+    # the others start from DistServe's rate (they share its split), first bracket step 1 + resolution: a
+    # system within the resolution of it costs two probes
+    max_rates = {s: wb.max_rate_at_slo(c, ds or start, 1 + sizes["resolution"]) for s, c in cfgs.items()}
     load_rate = max_rates["vllm"] or start / 4
     overload = 2 * max(max(max_rates.values()), load_rate)
     rows = []
