@@ -139,11 +139,11 @@ class _AllToFirst(Router):
 @pytest.mark.parametrize("kind", ["layer", "attention"])
 def test_blocks_conserved_when_migration_preemption_and_abort_cross(kind):
     # one hot colocated instance with a small KV pool (preemptions), an idle one on another node (a slow
-    # copy); aborts land before, during and after the move (attention: layer_imbalance 1 makes every
-    # imbalance small, so attention-level is preferred, and min_gain 0.01 accepts its modest gain)
+    # copy); aborts land before, during and after the move (attention: memory_bound_share 0 makes the hot
+    # GPU memory-bound, so attention-level is preferred, and min_gain 0.01 accepts its modest gain)
     cfg = _cfg("uniform:500-1000:100-300", 20.0, 60, kv_tokens=12000)
     members = [sim_member(i, "colocated", (i,), cfg) for i in range(2)]
-    attn = {"layer_imbalance": 1.0, "min_gain": 0.01} if kind == "attention" else {}
+    attn = {"memory_bound_share": 0.0, "min_gain": 0.01} if kind == "attention" else {}
     mig = MigrationSection(window_s=1.0, cooldown_s=1.0, **attn)
     cluster = Cluster(members, Topology.build(cfg.gpu, 2, 1), router=_AllToFirst(), migration=mig,
                       check_invariants=True)  # fmt: skip

@@ -19,6 +19,7 @@ K/V; the source's blocks keep their full size). The ledger (``memory``) keeps th
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -52,6 +53,7 @@ class MigrationSection(BaseModel):
     max_transfer_s: float = 2.0
     min_coverage: float = 1.0
     memory_bound_share: float = 0.5
+    min_source_queue: float = 0.1
     window_s: float = Field(2.0, gt=0)
     control_interval_s: float = Field(0.5, gt=0)
     # share of a helper's KV pool a layer move may take (moved weights + moved layers' KV): the helper was
@@ -94,6 +96,7 @@ class MigrationController:
         self._decode_step_s: dict[int, float] = {}  # member index -> start of its latest step with decodes
         self.window_s = section.window_s
         self.lend_fraction = section.helper_kv_lend_fraction
+        self._s_per_token: dict[int, float] = {}  # member index -> prefill seconds per token (cost model)
         # source member index -> (its pool size once its layer move lands, the helper's pool size before)
         self._pool_plan: dict[int, tuple[int, int]] = {}
         for g, m in self.gpu_of.items():
@@ -102,7 +105,11 @@ class MigrationController:
 
     # -- the tick --------------------------------------------------------------------------------------
     def __call__(self, cluster: Cluster, now: float, snap: dict[str, GPUUtilization]) -> None:
-        utils = {g: snap[g] for g, m in self.gpu_of.items() if m.index not in self.engaged}
+        utils = {
+            g: replace(snap[g], queue_util=self._backlog_s(m) / self.window_s)
+            for g, m in self.gpu_of.items()
+            if m.index not in self.engaged
+        }
         if len(utils) < 2:
             return
         _, mig = self.migrator.step(now, utils, lambda: self._candidates(utils), on_finish=self._apply)
@@ -117,6 +124,19 @@ class MigrationController:
         if c.kind != LAYER:
             self._moved_rids = dict(self._snapshot_decodes(self.gpu_of[c.src]))
         cluster.loop.at(mig.finish_s, self.migrator.advance, mig.finish_s)
+
+    def _backlog_s(self, m: Member) -> float:
+        """Seconds of prefill compute queued on ``m``: prompt tokens not yet computed (waiting requests and
+        running chunked prefills) at the cost model's per-token time of a 512-token chunk."""
+        sched = m.instance.scheduler
+        tokens = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        tokens += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running)
+        if not tokens:
+            return 0.0
+        if m.index not in self._s_per_token:
+            cm = m.instance.executor.cost_model
+            self._s_per_token[m.index] = cm.step_seconds([(512, 512, True)]) / 512
+        return tokens * self._s_per_token[m.index]
 
     def _state(self, g: str, u: GPUUtilization) -> GPUState:
         m = self.gpu_of[g]
