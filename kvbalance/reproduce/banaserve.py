@@ -10,13 +10,23 @@ request set at an overload rate, twice the best max rate found, the same for eve
 ``migrations``. Baselines run at their best: vLLM under the best of its routers, DistServe under the split
 (and per-phase TP in the full run) with the highest max rate at SLO, chosen on Poisson arrivals and kept for
 the bursty ones (a static plan). BanaServe starts from DistServe's split and adds adaptive layer- and
-attention-level migration (``cluster/adaptive.py``); ``banaserve-no-migration`` is the ablation. Llumnix
-(request-level live migration between block pools) is listed as not run — the README says so.
+attention-level migration (``cluster/adaptive.py``); ``banaserve-no-migration`` is the ablation. Every
+system of ``cluster/systems.SYSTEMS`` runs (Llumnix too once it is there); ``NOT_YET`` ones are listed as
+not run with the reason.
+
+Cost: the max-rate search (``cluster/evaluate.py``) brackets, then bisects geometrically to a stated
+resolution (quick 10%, full 3%), and each probe stops once its verdict is certain (exact). DistServe's splits
+are searched even split first and vLLM's routers from DistServe's rate, so the rest are settled in a probe or
+two; the other systems start from DistServe's rate. ``--quick``: llama-13b only, TP 1, splits with 2-6
+prefill GPUs; arrivals over 1 s (Alpaca, 100-4000 requests) and 8 s (LongBench, 40-240 requests), against 20 s
+and 60 s in the full run: quick max rates are those of a short burst, comparable across systems, not
+steady-state figures.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -54,7 +64,7 @@ def _sizes(quick: bool) -> dict[str, Any]:
     # per workload: (arrival span s, min requests, max requests); "prefill": GPUs given to prefill tried;
     # "resolution": of the max-rate search (the threshold lies in [rate, rate x (1 + resolution)])
     if quick:
-        n = {"alpaca": (1.0, 100, 1500), "longbench": (8.0, 40, 240)}
+        n = {"alpaca": (1.0, 100, 4000), "longbench": (8.0, 40, 240)}
         return {"models": ("llama-13b",), "n": n, "resolution": 0.1, "tps": (1,), "prefill": range(2, 7)}
     n = {"alpaca": (20.0, 200, 8000), "longbench": (60.0, 100, 1000)}
     return {
@@ -150,7 +160,7 @@ def run(out_dir: Path, quick: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     sizes = _sizes(quick)
     settings = [(m, w, a) for m in sizes["models"] for w in SLOS for a in ARRIVALS]
-    t0 = time.perf_counter()
+    t0, c0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     rows: list[dict] = []
     notes: dict[str, Any] = {}
     runs = [0]
@@ -172,11 +182,13 @@ def run(out_dir: Path, quick: bool = False) -> dict:
             rows += r
             notes[f"{model}/{workload}/{arrival}"] = n
             bar.advance(task)
-    wall = time.perf_counter() - t0
-    meta = {"quick": quick, "gpu": GPU, "num_gpus": NUM_GPUS, "seed": SEED, "wall_s": wall, "simulated_runs": runs[0],
-            "paper": PAPER, "settings": notes}  # fmt: skip
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    load = f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    meta = {"quick": quick, "gpu": GPU, "num_gpus": NUM_GPUS, "seed": SEED, "wall_s": wall, "cpu_s": cpu,
+            "load_average": load, "simulated_runs": runs[0], "paper": PAPER, "settings": notes,
+            "sizes": {"n": sizes["n"], "resolution": sizes["resolution"]}}  # fmt: skip
     (out / "results.json").write_text(json.dumps(to_json_value(rows), indent=1, default=str))
     (out / "meta.json").write_text(json.dumps(to_json_value(meta), indent=1, default=str))
     write_plots(out, rows)
     write_readme(out, rows, meta)
-    return {"rows": len(rows), "wall_s": wall, "simulated_runs": runs[0], "out": str(out)}
+    return {"rows": len(rows), "wall_s": wall, "cpu_s": cpu, "simulated_runs": runs[0], "out": str(out)}
