@@ -151,7 +151,8 @@ def _one_setting(model, workload, arrival, sizes, split, tick) -> tuple[list[dic
     return rows, split, notes
 
 
-def run(out_dir: Path, quick: bool = False) -> dict:
+def run(out_dir: Path, quick: bool = False, models: tuple[str, ...] | None = None) -> dict:
+    """Run the reproduction into ``out_dir``; ``models`` overrides the mode's models (e.g. opt-13b quick)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvbalance.reproduce.banaserve_report import write_plots, write_readme
@@ -159,6 +160,8 @@ def run(out_dir: Path, quick: bool = False) -> dict:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sizes = _sizes(quick)
+    if models is not None:
+        sizes["models"] = tuple(models)
     settings = [(m, w, a) for m in sizes["models"] for w in SLOS for a in ARRIVALS]
     t0, c0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     rows: list[dict] = []
