@@ -66,7 +66,9 @@ def test_early_exit_gives_the_verdicts_and_the_rate_of_full_runs():
     rates = (10.0, 30.0, 40.0)
     assert [fast.passes(cfg, r) for r in rates] == [full.passes(cfg, r) for r in rates] == [True, True, False]
     assert fast.stopped_probes == 3 and full.stopped_probes == 0
-    for (_, a_fast), (_, a_full) in zip(fast.probes[fast.key(cfg)], full.probes[full.key(cfg)]):
+    assert [e for *_, e in fast.probes[fast.key(cfg)]] == [False] * 3
+    assert [e for *_, e in full.probes[full.key(cfg)]] == [True] * 3
+    for (_, a_fast, _), (_, a_full, _) in zip(fast.probes[fast.key(cfg)], full.probes[full.key(cfg)]):
         assert (a_fast <= a_full) if a_full >= 0.9 else (a_fast >= a_full)  # a bound on the verdict's side
     assert fast.max_rate_at_slo(cfg, 20.0) == full.max_rate_at_slo(cfg, 20.0) > 30.0
 

@@ -133,7 +133,8 @@ class Workbench:
     on_run: Callable[[], None] | None = None  # progress callback, once per simulated run (probes included)
     _cache: dict = field(default_factory=dict)
     _verdicts: dict = field(default_factory=dict)  # (config key, rate) -> passed
-    probes: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # key -> [(rate, attainment)]
+    # config key -> [(rate, attainment, exact)]; exact False: a stopped probe's bound (>= for a pass, <= a fail)
+    probes: dict[str, list[tuple[float, float, bool]]] = field(default_factory=dict)
     max_rates: dict[str, float] = field(default_factory=dict)  # config key -> max rate at SLO found
     stopped_probes: int = 0  # probes decided before their run ended
 
@@ -169,28 +170,28 @@ class Workbench:
         """SLO attainment at ``rate`` (a full run's; a stopped probe's bound: the verdict is exact)."""
         k = (self.key(cfg), rate)
         if k in self._cache or not self.early_exit:
-            a = float(self.run(cfg, rate).summary["slo_attainment"])
+            a, exact = float(self.run(cfg, rate).summary["slo_attainment"]), True
         else:
-            a = self._probe(cfg, rate)
+            a, exact = self._probe(cfg, rate)
         self._verdicts[k] = a >= SLO_TARGET
-        self.probes.setdefault(k[0], []).append((rate, a))
+        self.probes.setdefault(k[0], []).append((rate, a, exact))
         return a
 
-    def _probe(self, cfg: ClusterConfig, rate: float) -> float:
+    def _probe(self, cfg: ClusterConfig, rate: float) -> tuple[float, bool]:
         reqs = self.requests(rate)
         counter = SloCounter(len(reqs), SLO_TARGET, self.ttft_slo_s, self.tpot_slo_s)
         cluster = build_cluster(self.sim_config(rate), cfg)
         cluster.on_finish = counter
         try:
             cluster.run(reqs)
-            a = sum(meets_slo(r, self.ttft_slo_s, self.tpot_slo_s) for r in reqs) / len(reqs)
+            a, exact = sum(meets_slo(r, self.ttft_slo_s, self.tpot_slo_s) for r in reqs) / len(reqs), True
         except SloVerdict as v:
             self.stopped_probes += 1
             n = len(reqs)
-            a = v.good / n if v.passed else 1 - v.missed / n  # a bound on the side of the verdict
+            a, exact = (v.good / n if v.passed else 1 - v.missed / n), False  # a bound on the verdict's side
         if self.on_run:
             self.on_run()
-        return a
+        return a, exact
 
     def passes(self, cfg: ClusterConfig, rate: float) -> bool:
         k = (self.key(cfg), rate)

@@ -172,12 +172,19 @@ def write_plots(out: Path, rows: list[dict]) -> None:
     fig = _new_figure(5 * min(n, 4), 3.5 * math.ceil(n / 4))
     axes = fig.subplots(math.ceil(n / 4), min(n, 4), squeeze=False).ravel()
     for ax, ((model, wl, arr), group) in zip(axes, groups.items()):
-        for r in group:
-            if r.get("slo_probes"):
-                xs, ys = zip(*r["slo_probes"])
-                ax.plot(xs, ys, marker="o", ms=3, label=r["system"])
+        for i, r in enumerate(r for r in group if r.get("slo_probes")):
+            probes = sorted(r["slo_probes"])
+            exact = [(x, y) for x, y, *e in probes if not e or e[0]]
+            line = ax.plot(*zip(*exact), marker="o", ms=3, label=r["system"]) if exact else None
+            color = line[0].get_color() if line else f"C{i}"
+            label = None if line else r["system"]
+            for x, y, *e in probes:  # a stopped probe: its bound, ^ (met by at least) / v (at most)
+                if e and not e[0]:
+                    ax.plot([x], [y], ls="", marker="^" if y >= 0.9 else "v", ms=4, mfc="none", color=color,
+                            label=label)  # fmt: skip
+                    label = None
         ax.axhline(0.9, color="k", lw=0.5, ls="--")
-        ax.set(title=f"{model} {wl} {arr}", xlabel="rate (req/s)", ylabel="SLO attainment")
+        ax.set(title=f"{model} {wl} {arr}", xlabel="rate (req/s)", ylabel="SLO attainment", xscale="log")
         ax.legend(fontsize=6)
     fig.savefig(out / "slo_attainment.png", dpi=90)
     first = next(iter(groups.values()))
