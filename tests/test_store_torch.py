@@ -15,11 +15,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvbalance.batch import BatchPlan, KVTransfer, ScheduledSeq  # noqa: E402
 from kvbalance.cluster.connector import ClusterConnector, prompt_hashes  # noqa: E402
 from kvbalance.cluster.core import Cluster, Member  # noqa: E402
 from kvbalance.cluster.routers.base import Router  # noqa: E402
 from kvbalance.cluster.topology import Topology  # noqa: E402
 from kvbalance.engine import InstanceConfig, build_instance  # noqa: E402
+from kvbalance.executor.store_worker import StoreWorker  # noqa: E402
 from kvbalance.executor.torch import TorchExecutor  # noqa: E402
 from kvbalance.kvcache.store import GlobalKVStore, StoreConfig  # noqa: E402
 from kvbalance.model.llama import LlamaConfig  # noqa: E402
@@ -210,6 +212,52 @@ def test_store_rejects_a_block_size_that_is_not_the_executors():
     store = GlobalKVStore(StoreConfig(), members[0].instance.executor.kv_bytes_per_block + 1)
     with pytest.raises(ValueError, match="bytes_per_block"):
         Cluster(members, Topology.build("a100-80gb", 2), store=store)
+
+
+def test_store_worker_as_transfer_handler_saves_after_the_forward_and_loads_before_it():
+    """Store transfers riding in a plan: a save names blocks the same step writes, a load feeds the step."""
+    config, weights = _tiny()
+    worker = StoreWorker()
+    a, b, ref = (
+        TorchExecutor(config, weights, num_blocks=8, block_size=BS, num_threads=1, transfer_handler=worker)
+        for _ in range(3)
+    )
+    prompt = random.Random(2).sample(range(3, config.vocab_size), 9)
+    hashes = [11, 22]  # the store's names for the prompt's two full blocks
+    r = Request("r", prompt[:8], SamplingParams(max_tokens=1))
+    r.block_ids = [3, 5]
+    save = KVTransfer("r", [3, 5], 8, "save", "store", hashes)
+    res = a.execute(BatchPlan([ScheduledSeq(r, 0, 8, True)], BS, kv_saves=[save]))
+    assert res.finished_saves == ["r"] and set(worker.blocks) == set(hashes)
+    for blk, h in zip([3, 5], hashes):  # the step's KV, not the zeros the blocks held before it
+        assert worker.blocks[h].abs().sum() > 0 and torch.equal(
+            worker.blocks[h], a.read_blocks([blk])[:, :, 0]
+        )
+    r2 = Request("r2", prompt, SamplingParams(max_tokens=1))
+    r2.block_ids = [7, 1, 2]
+    load = KVTransfer("r2", [7, 1], 8, "load", "store", hashes)
+    res = b.execute(BatchPlan([ScheduledSeq(r2, 8, 1, True)], BS, kv_loads=[load]))
+    assert res.finished_loads == ["r2"] and worker.loaded_blocks == 2
+    r3 = Request("r3", prompt, SamplingParams(max_tokens=1))
+    r3.block_ids = [0, 1, 2]
+    want = ref.execute(BatchPlan([ScheduledSeq(r3, 0, 9, True)], BS))
+    assert res.sampled["r2"] == want.sampled["r3"]
+    torch.testing.assert_close(b.last_logits, ref.last_logits, rtol=0, atol=1e-4)
+    assert worker.retain(lambda h: h == 11) == 1 and list(worker.blocks) == [11]
+
+
+def test_store_worker_names_the_field_of_a_bad_transfer():
+    config, weights = _tiny()
+    ex = TorchExecutor(config, weights, num_blocks=4, block_size=BS, num_threads=1)
+    worker = StoreWorker()
+    with pytest.raises(ValueError, match="peer"):
+        worker(ex, KVTransfer("x", [0], 4, "save", "peer-1", [1]))
+    with pytest.raises(ValueError, match="block_hashes"):
+        worker(ex, KVTransfer("x", [0, 1], 8, "save", "store", [1]))
+    with pytest.raises(ValueError, match="direction"):
+        worker(ex, KVTransfer("x", [0], 4, "sideways", "store", [1]))
+    with pytest.raises(KeyError, match="block_hashes"):
+        worker(ex, KVTransfer("x", [0], 4, "load", "store", [1]))
 
 
 @pytest.mark.slow
