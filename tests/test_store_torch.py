@@ -52,10 +52,10 @@ def _restore_threads():
     torch.set_num_threads(threads)
 
 
-def _member(i: int, config, weights) -> Member:
+def _member(i: int, config, weights, role: str = "colocated") -> Member:
     ex = TorchExecutor(config, weights, num_blocks=NUM_BLOCKS, block_size=BS, num_threads=1)
-    icfg = InstanceConfig(kv_tokens=NUM_BLOCKS * BS, block_size=BS, chunk_size=16, name=f"colocated-{i}")
-    return Member(i, "colocated", (i,), build_instance(icfg, ex, ClusterConnector(None, "colocated")))
+    icfg = InstanceConfig(kv_tokens=NUM_BLOCKS * BS, block_size=BS, chunk_size=16, name=f"{role}-{i}")
+    return Member(i, role, (i,), build_instance(icfg, ex, ClusterConnector(None, role)))
 
 
 def _request(rid: str, prompt: list[int], arrival_s: float = 0.0) -> Request:
@@ -143,10 +143,14 @@ def _check_conserved(cluster: Cluster, store: GlobalKVStore) -> None:
     assert worker.nbytes == len(store) * store.bytes_per_block
 
 
-def _store_hand_off(config, weights, capacity_blocks: int | None) -> None:
-    """A serves P (saved to the store); [A serves a filler F]; B serves P + S and fetches what is left of P."""
+def _store_hand_off(config, weights, capacity_blocks: int | None, roles=("colocated", "colocated")) -> None:
+    """A serves P (saved to the store); [A serves a filler F]; B serves P + S and fetches what is left of P.
+
+    ``roles``: A and B are colocated, or the prefill instances of a P/D cluster (then a decode instance
+    follows): a prefill request finishes in the step that ends its prompt, and its blocks still reach the
+    store."""
     P, S, F = _prompts(config.vocab_size)
-    members = [_member(i, config, weights) for i in range(2)]
+    members = [_member(i, config, weights, role) for i, role in enumerate(roles)]
     bpb = members[0].instance.executor.kv_bytes_per_block
     cap = StoreConfig() if capacity_blocks is None else StoreConfig(capacity_bytes=capacity_blocks * bpb)
     store = GlobalKVStore(cap, bpb)
@@ -156,7 +160,11 @@ def _store_hand_off(config, weights, capacity_blocks: int | None) -> None:
     reqs.append(_request("ps", P + S, 100.0))  # long after the others finished (simulated seconds)
     where = {"p": 0, "f": 0, "ps": 1}
     cluster = Cluster(
-        members, Topology.build("a100-80gb", 2), router=ByRequest(where), store=store, check_invariants=True
+        members,
+        Topology.build("a100-80gb", len(roles)),
+        router=ByRequest(where),
+        store=store,
+        check_invariants=True,
     )
     computed, logits, loads = _spy(cluster)
     run = cluster.run(reqs)
@@ -204,6 +212,10 @@ def test_store_hands_a_prefix_to_another_instance_on_real_tensors():
 
 def test_store_eviction_leaves_a_shorter_prefix_and_the_rest_is_recomputed():
     _store_hand_off(*_tiny(), capacity_blocks=10)
+
+
+def test_store_hand_off_between_the_prefill_instances_of_a_pd_cluster():
+    _store_hand_off(*_tiny(), capacity_blocks=10, roles=("prefill", "prefill", "decode"))
 
 
 def test_store_rejects_a_block_size_that_is_not_the_executors():
@@ -261,9 +273,16 @@ def test_store_worker_names_the_field_of_a_bad_transfer():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("capacity_blocks", [None, 10])
-def test_store_with_smollm2_gives_the_single_instance_tokens(capacity_blocks):
+@pytest.mark.parametrize(
+    "capacity_blocks, roles",
+    [
+        (None, ("colocated", "colocated")),
+        (10, ("colocated", "colocated")),
+        (10, ("prefill", "prefill", "decode")),
+    ],
+)
+def test_store_with_smollm2_gives_the_single_instance_tokens(capacity_blocks, roles):
     from kvbalance.model.weights import load_smollm2
 
     loaded = load_smollm2(with_tokenizer=False)
-    _store_hand_off(loaded.config, loaded.state_dict, capacity_blocks)
+    _store_hand_off(loaded.config, loaded.state_dict, capacity_blocks, roles)
