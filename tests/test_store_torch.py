@@ -280,6 +280,7 @@ def test_store_worker_names_the_field_of_a_bad_transfer():
         (10, ("colocated", "colocated")),
         (10, ("prefill", "prefill", "decode")),
     ],
+    ids=["whole-prefix", "evicted-tail", "pd-evicted-tail"],
 )
 def test_store_with_smollm2_gives_the_single_instance_tokens(capacity_blocks, roles):
     from kvbalance.model.weights import load_smollm2
