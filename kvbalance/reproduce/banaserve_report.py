@@ -163,8 +163,7 @@ def _where_it_loses(rows: list[dict]) -> list[str]:
         "that run shift little (`migrations`, migration_share_*). Its other two mechanisms cannot help on "
         "these workloads: the global store pays only on shared prefixes (Alpaca and LongBench prompts share "
         "none), and load-aware routing differs from least-loaded only when loads diverge. So BanaServe lands "
-        "at DistServe's level. Llumnix (where it runs) shares vLLM's colocated instances and lands near it. "
-        "These are the ratios measured; no baseline was tuned down.",
+        "at DistServe's level. These are the ratios measured; no baseline was tuned down.",
         "",
     ]
 
