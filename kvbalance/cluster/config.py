@@ -147,6 +147,7 @@ def run_cluster(
     insts = [m.instance for m in cluster.members]
     hot = run.hot_spot_ratio()
     store = cluster.store
+    live = summarize_migrations(cluster.llumnix.migrator.log if cluster.llumnix is not None else [])
     summary = summarize(
         requests,
         kv_capacity_tokens=sum(i.kv_capacity_tokens for i in insts),
@@ -168,10 +169,10 @@ def run_cluster(
             "store_fetched_blocks": store.fetched_blocks if store else 0,
             "store_saved_blocks": store.saved_blocks if store else 0,
             "pd_transfers": len(cluster.pd.handoffs) if cluster.pd else 0,
-            "migrations": len(run.migrations),
+            "migrations": len(run.migrations) + live["request_migrations"],  # moves of either kind
             "migration_log": run.migrations,
             "num_steps": sum(i.num_steps for i in insts),
-            **summarize_migrations(cluster.llumnix.migrator.log if cluster.llumnix is not None else []),
+            **live,
         },
     )
     return ClusterResult(sim, cfg, cluster, run, summary, run.instance_rows())
