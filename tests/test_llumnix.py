@@ -258,3 +258,68 @@ def test_scheduler_reservation_is_all_or_nothing_and_becomes_the_block_table():
     c.members[1].instance.transfers_done(["x"], [])
     assert req.state is RequestState.RUNNING and req.num_computed_tokens == 300
     sched.check_invariants()
+
+
+def test_live_migration_on_real_tensors_keeps_greedy_tokens_and_copies_the_kv():
+    torch = pytest.importorskip("torch")
+    from kvbalance.cluster.connector import ClusterConnector
+    from kvbalance.cluster.core import Member
+    from kvbalance.engine import InstanceConfig, build_instance
+    from kvbalance.executor.torch import TorchExecutor
+    from kvbalance.model.llama import LlamaConfig
+    from kvbalance.model.weights import random_weights
+    from kvbalance.request import SamplingParams
+    from kvbalance.specs import get_model
+
+    config = LlamaConfig.from_spec(get_model("tiny-llama"))
+    weights = random_weights(config, seed=3)
+    threads = torch.get_num_threads()
+
+    def run(num_members: int, section: LlumnixSection | None):
+        members = []
+        for i in range(num_members):
+            ex = TorchExecutor(config, weights, num_blocks=64, block_size=4, num_threads=1)
+            icfg = InstanceConfig(kv_tokens=256, block_size=4, chunk_size=16, name=f"c{i}")
+            members.append(
+                Member(i, "colocated", (i,), build_instance(icfg, ex, ClusterConnector(None, "colocated")))
+            )
+        c = Cluster(
+            members,
+            Topology.build("a100-80gb", num_members),
+            router=First(),
+            llumnix=section,
+            check_invariants=True,
+        )
+        moved = []
+        if c.llumnix is not None:  # spy: the destination's blocks hold exactly the source's KV after the copy
+            mig, move = c.llumnix.migrator, c.llumnix.migrator._move_blocks
+
+            def checked(m):
+                move(m)
+                n = m.src.instance.pool.blocks_for_tokens(m.req.num_computed_tokens)
+                sent = m.src.instance.executor.read_blocks(
+                    m.src.instance.scheduler._held[m.req.request_id][:n]
+                )
+                got = m.dst.instance.executor.read_blocks(m.req.block_ids[:n])
+                assert sent.abs().sum() > 0 and torch.equal(sent, got)
+                moved.append(m.req.request_id)
+
+            mig._move_blocks = checked
+        sp = SamplingParams(max_tokens=16, ignore_eos=True)
+        reqs = [
+            Request(f"t{i}", [3 + (7 * i + j) % 200 for j in range(10 + i)], sp, arrival_s=0.0)
+            for i in range(3)
+        ]
+        c.run(reqs)
+        assert all(r.state is RequestState.FINISHED for r in reqs)
+        return [r.output_token_ids for r in reqs], moved, c
+
+    try:
+        single, _, _ = run(1, None)
+        # every busy instance is a source, only an idle one a destination: one request moves to member 1
+        eager = LlumnixSection(pair_interval_s=2e-3, migrate_out_threshold_blocks=1e9)
+        tokens, moved, c = run(2, eager)
+    finally:
+        torch.set_num_threads(threads)
+    assert moved and tokens == single  # (wall-clock step times: which requests move may vary, tokens may not)
+    _drained(c)
