@@ -132,14 +132,25 @@ def test_client_abort_during_precopy_and_during_the_stop_and_copy():
     assert mig.stop_s == ref.stop_s and mig.outcome == "aborted" and req.state is RequestState.ABORTED
 
 
+def _hog(inst, leave: int) -> None:
+    """Another arrival takes all but ``leave`` of ``inst``'s available blocks."""
+    assert inst.scheduler.reserve_blocks("hog", inst.kv.num_available_blocks - leave)
+
+
 def test_destination_out_of_blocks_aborts_at_the_start_or_at_a_later_stage():
-    c, req, mig = _run_one(cluster={"kv_tokens": (16_000, 256)})  # 16 blocks: not even stage 0
-    assert mig.outcome == "dst_out_of_blocks" and mig.reserved_blocks == 0 and mig.stage_blocks == []
-    assert req.num_output_tokens == 200 and c.assignment["r"] == 0
-    _, _, probe = _run_one()
-    c, req, mig = _run_one(cluster={"kv_tokens": (16_000, probe.stage_blocks[0] * 16)})  # stage 0 only fits
-    assert mig.outcome == "dst_out_of_blocks" and mig.reserved_blocks == probe.stage_blocks[0]
-    assert req.num_output_tokens == 200 and req.state is RequestState.FINISHED
+    for hog_s, leave, reserved in ((0.1, 10, 0), (0.25, 0, 33)):  # before the start / during stage 0
+        c = _cluster(kv_tokens=(16_000, 1024))  # 64 blocks: the request (712 tokens) fits an empty one
+        dst = c.members[1].instance
+        c.loop.at(hog_s, _hog, dst, leave)
+        c.loop.at(5.0, dst.transfers_done, ["hog"], [])  # another arrival's blocks, released later
+        req = _req()
+        started = _migrate_at(c, 0.2, req)
+        c.run([req])
+        _drained(c)
+        mig = started[0]
+        assert mig.outcome == "dst_out_of_blocks" and mig.reserved_blocks == reserved
+        assert len(mig.stage_blocks) == (1 if reserved else 0)
+        assert req.state is RequestState.FINISHED and req.num_output_tokens == 200 and c.assignment["r"] == 0
 
 
 def test_source_preempting_the_request_aborts_the_migration():
@@ -151,6 +162,23 @@ def test_source_preempting_the_request_aborts_the_migration():
     _drained(c)
     assert started[0].outcome == "preempted" and req.num_preemptions == 1
     assert req.state is RequestState.FINISHED and req.num_output_tokens == 200
+
+
+def test_precopy_that_does_not_converge_within_max_stages_is_dropped():
+    section = NEVER.model_copy(update={"last_stage_max_blocks": 1, "max_stages": 1})
+    c, req, mig = _run_one(cluster={"section": section})  # stage 0 lasts ~20 tokens: 2 blocks dirty > 1
+    assert mig.outcome == "not_converged" and len(mig.stage_blocks) == 1 and c.assignment["r"] == 0
+    assert req.num_output_tokens == 200
+
+
+def test_pairing_rounds_stop_when_idle_so_a_monitored_run_ends():
+    from kvbalance.cluster.monitor import UtilizationMonitor
+
+    c = _cluster(section=LlumnixSection(), monitor=UtilizationMonitor(1.0))
+    reqs = [_req("a", 100, 20), _req("b", 100, 20, arrival=3.0, offset=1)]  # an idle gap between them
+    c.run(reqs)
+    _drained(c)
+    assert all(r.state is RequestState.FINISHED for r in reqs) and c.loop.now < 4.0
 
 
 def test_migration_needs_a_decoding_request_and_idle_members():

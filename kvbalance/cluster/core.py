@@ -347,8 +347,6 @@ class Cluster:
             self.submit(req)
         if self.monitor is not None:
             self.loop.at(self.loop.now, self._tick)
-        if self.llumnix is not None:
-            self.loop.at(self.loop.now, self.llumnix.tick)
         self.loop.run()
         for conn in (self.pd, self.store, self.llumnix):
             if conn is not None:

@@ -65,6 +65,7 @@ class LlumnixController:
         self.section = section
         self.migrator = RequestMigrator(cluster, section.last_stage_max_blocks, section.max_stages)
         self._preemptions = {m.index: 0 for m in cluster.members}
+        self._ticking = False  # a pairing round is scheduled
 
     def pairs(self) -> list[tuple[Member, Member]]:
         """This round's (source, destination) pairs among members not already migrating."""
@@ -90,12 +91,18 @@ class LlumnixController:
             req = choose_request(src, self.section.request_policy)
             if req is not None:
                 self.migrator.start(req, src, dst)
-        loop = self.cluster.loop
-        if len(loop):  # other events pending: the run is not over
-            loop.at(loop.now + self.section.pair_interval_s, self.tick)
+        c = self.cluster
+        # tick while there is something to move; the next step anywhere starts it again (``on_step``), so a
+        # run with other periodic events (the utilisation monitor) still ends
+        self._ticking = bool(self.migrator.active) or any(m.instance.has_work() for m in c.members)
+        if self._ticking:
+            c.loop.at(c.loop.now + self.section.pair_interval_s, self.tick)
 
     def on_step(self, m: Member) -> None:
         self.migrator.on_step(m)
+        if not self._ticking:
+            self._ticking = True
+            self.cluster.loop.at(self.cluster.loop.now, self.tick)
 
     def summary(self) -> dict:
         return self.migrator.summary()

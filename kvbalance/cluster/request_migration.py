@@ -103,6 +103,8 @@ class RequestMigrator:
         either member already migrating); a migration that aborts at once is logged with its reason."""
         if src is dst or src.index in self.busy or dst.index in self.busy or not can_migrate(req, src):
             return None
+        if dst.instance.rejection_reason(req) is not None:  # could never hold it whole (a smaller pool)
+            return None
         mig = RequestMigration(req, src, dst, self.cluster.loop.now, req.num_preemptions)
         self.active[req.request_id] = mig
         self.busy.update((src.index, dst.index))
