@@ -11,8 +11,8 @@ request set at an overload rate, twice the best max rate found, the same for eve
 (and per-phase TP in the full run) with the highest max rate at SLO, chosen on Poisson arrivals and kept for
 the bursty ones (a static plan). BanaServe starts from DistServe's split and adds adaptive layer- and
 attention-level migration (``cluster/adaptive.py``); ``banaserve-no-migration`` is the ablation. Every
-system of ``cluster/systems.SYSTEMS`` runs (Llumnix too once it is there); ``NOT_YET`` ones are listed as
-not run with the reason.
+system of ``cluster/systems.SYSTEMS`` runs, Llumnix (request-level live migration between colocated instances,
+``cluster/llumnix.py``) included; ``NOT_YET`` ones, if any, are listed as not run with the reason.
 
 Cost: the max-rate search (``cluster/evaluate.py``) brackets, then bisects geometrically to a stated
 resolution (quick 10%, full 3%), and each probe stops once its verdict is certain (exact). DistServe's splits
