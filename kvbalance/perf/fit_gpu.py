@@ -11,6 +11,9 @@ Each profiled operator is evaluated on the cost model at its own shape (M tokens
 - the element-wise small-token path, where a class has one: ``t0 + t_token * T`` at or below a threshold;
 - host time per step: ``t_fixed + t_seq * batch (+ t_tp + t_tp_seq * batch + t_rank * (tp - 1) when tp > 1)``;
 - the TP link: ring all-reduce ``2 (n - 1) / n * bytes / bw + latency``.
+
+Then, per profiled kernel shape, the measured correction ``log(measured / physical)`` over M
+(:mod:`kvbalance.perf.correction`), scored by cross-validation (:mod:`kvbalance.perf.fit_cv`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbalance.perf.cost import CostModel, OpCount, op_time
+from kvbalance.perf.cost import OpCount, op_time
+from kvbalance.perf.fit_cv import CorrectionFit, fit_corrections, sample_models
 from kvbalance.perf.fit_errors import (  # noqa: F401  (re-exported: the report and tests import them here)
     BATCH_RANGES,
     BYTE_RANGES,
@@ -63,15 +67,7 @@ class _Kernels:
 
 def kernel_counts(samples: Sequence[OperatorSample], hw: HardwareSpec) -> list[OpCount]:
     """The cost model's count of every sample's operator at the sample's shape and TP degree."""
-    models: dict[tuple, CostModel] = {}
-    out = []
-    for s in samples:
-        key = (s.shape, s.tp)
-        cm = models.get(key)
-        if cm is None:
-            cm = models[key] = CostModel(s.shape.model_spec(), hw, s.tp)
-        out.append(cm.kernel(s.op, s.num_tokens))
-    return out
+    return [cm.kernel(s.op, s.num_tokens) for s, cm in zip(samples, sample_models(samples, hw))]
 
 
 def _kernels(counts: Sequence[OpCount], samples: Sequence[OperatorSample]) -> _Kernels:
@@ -287,16 +283,30 @@ def fit_link(samples: Sequence[AllReduceSample], base: LinkSpec, name: str) -> L
 @dataclass
 class FitResult:
     hardware: HardwareSpec
-    predicted_s: np.ndarray  # per operator sample, the fitted preset's prediction
+    predicted_s: (
+        np.ndarray
+    )  # per operator sample, the fitted preset's prediction (corrected where it has any)
     samples: list[OperatorSample] = field(repr=False)
-    errors: list[ClassError]
+    errors: list[ClassError]  # the physical model on its training points
     host_errors: list[ClassError]
     link_errors: list[ClassError]
+    physical_s: np.ndarray = field(default=None, repr=False)  # per sample, the physical model's prediction
+    correction: CorrectionFit | None = None  # the measured-shape corrections and their cross-validation
 
 
-def predict_operator_samples(samples: Sequence[OperatorSample], hw: HardwareSpec) -> np.ndarray:
-    """The cost model's time of each profiled operator on ``hw`` (the scalar path :func:`op_time`)."""
-    return np.array([op_time(c, hw).time_s for c in kernel_counts(samples, hw)])
+def predict_operator_samples(
+    samples: Sequence[OperatorSample], hw: HardwareSpec, physical: bool = False
+) -> np.ndarray:
+    """The cost model's time of each profiled operator on ``hw`` (the scalar path :func:`op_time`, times the
+    shape's measured correction where ``hw`` has one, unless ``physical``)."""
+    cms = sample_models(samples, hw)
+    return np.array(
+        [
+            op_time(cm.kernel(s.op, s.num_tokens), hw).time_s
+            * (1.0 if physical else cm.correction(s.op, s.num_tokens))
+            for s, cm in zip(samples, cms)
+        ]
+    )
 
 
 def fit_gpu(
@@ -306,11 +316,14 @@ def fit_gpu(
     allreduce: Sequence[AllReduceSample] = (),
     name: str | None = None,
     source: str = "",
+    corrections: bool = True,
 ) -> FitResult:
     """Fit ``base``'s efficiency curves on ``ops`` (and its host overhead on ``host``, its TP link on
-    ``allreduce`` where given); peaks, bandwidth and capacity stay ``base``'s datasheet values."""
+    ``allreduce`` where given), then (``corrections``) each profiled shape's measured correction; peaks,
+    bandwidth and capacity stay ``base``'s datasheet values."""
     if not ops:
         raise ValueError("samples: no operator samples to fit")
+    base = base.with_(shape_corrections={})
     hw = base.with_(
         memory_half_bytes=0.0, per_layer_overhead_s=0.0, elementwise_curves={}, **fit_gemm(ops, base)
     )
@@ -322,6 +335,7 @@ def fit_gpu(
         hw = hw.with_(tp_link=fit_link(allreduce, hw.tp_link, link_name))
     pred = predict_operator_samples(ops, hw)
     errors = operator_errors(ops, pred)
+    corr = fit_corrections(ops, pred, hw) if corrections else None
     gemm = next(e for e in errors if e.op_class == "gemm" and e.tokens == "all")
     note = (
         f"{base.name}: datasheet peaks ({base.source.split('.')[0]}); efficiency curves and kernel latency"
@@ -331,8 +345,11 @@ def fit_gpu(
         f"{f', {len(allreduce)} all-reduces' if allreduce else ''} ({source or 'given samples'}); GEMM error "
         f"median {gemm.median:.1%}, worst {gemm.worst:.1%}. Attention is not in the data: "
         f"attention_eff_ratio={hw.attention_eff_ratio} is not fitted."
+        f"{_correction_note(corr)}"
     )
-    hw = hw.with_(name=name or base.name, source=note)
+    hw = hw.with_(
+        name=name or base.name, source=note, shape_corrections=corr.corrections if corr is not None else {}
+    )
     host_err = []
     if host:
         hp = np.array([hw.host_overhead_s(s.batch_size, s.batch_size, s.tp) for s in host])
@@ -345,4 +362,15 @@ def fit_gpu(
         link_err = error_rows([f"all-reduce x{s.num_workers}" for s in allreduce],
                                np.array([s.size_bytes for s in allreduce]), allreduce_predict(allreduce, hw.tp_link), am,
                                BYTE_RANGES)  # fmt: skip
-    return FitResult(hw, pred, list(ops), errors, host_err, link_err)
+    final = corr.corrected_s if corr is not None else pred
+    return FitResult(hw, final, list(ops), errors, host_err, link_err, pred, corr)
+
+
+def _correction_note(corr: CorrectionFit | None) -> str:
+    if corr is None:
+        return ""
+    worst = max((e for e in corr.loo_point_errors if e.tokens == "all"), key=lambda e: e.worst)
+    return (
+        f" Measured corrections for {len(corr.corrections)} profiled kernel shapes (piecewise-linear in log M);"
+        f" leave-one-point-out worst error {worst.worst:.1%} ({worst.op_class})."
+    )
