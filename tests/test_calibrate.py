@@ -245,7 +245,7 @@ def test_calibrate_command_writes_a_preset_and_a_report(tmp_path, capsys):
 @pytest.mark.slow  # matplotlib's log-axis layout takes tens of seconds on a busy 2-core machine
 def test_calibrate_report_plots_every_class(tmp_path):
     _calibrate_synthetic(tmp_path)
-    for name in ("scatter.png", "residuals.png"):
+    for name in ("scatter.png", "residuals.png", "cv_residuals.png"):
         assert (tmp_path / "rep" / name).stat().st_size > 10_000
 
 

@@ -120,9 +120,11 @@ def _residuals(plt, result: FitResult, pred: np.ndarray, title: str, path: Path,
         ax.scatter(tokens[sel], rel[sel], c=np.log2(tp[sel]), s=3, cmap="coolwarm", alpha=0.6)
         if bound is not None:
             bad = sel & (np.abs(rel) > bound)
-            ax.scatter(tokens[bad], np.clip(rel[bad], -1, 1.5), s=14, facecolors="none", edgecolors="red")
+            ax.scatter(
+                tokens[bad], np.clip(rel[bad], -1, 1.5), s=14, facecolors="none", edgecolors="black", lw=0.9
+            )
             for y in (-bound, bound):
-                ax.axhline(y, color="red", lw=0.5, ls="--")
+                ax.axhline(y, color="black", lw=0.6, ls="--")
             ax.set_title(f"{cls} ({int(bad.sum())} past {bound:.0%})")
         else:
             ax.set_title(cls)
@@ -140,7 +142,7 @@ def _residuals(plt, result: FitResult, pred: np.ndarray, title: str, path: Path,
 def plot(result: FitResult, out: Path) -> list[Path]:
     """``scatter.png`` (the physical model's prediction vs measured, log-log, one panel per class),
     ``residuals.png`` (its relative error vs token count) and, with corrections, ``cv_residuals.png`` (the
-    corrected model's leave-one-point-out error vs token count, the points past 30% circled red)."""
+    corrected model's leave-one-point-out error vs token count, the points past 30% circled)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,7 +174,7 @@ def plot(result: FitResult, out: Path) -> list[Path]:
                             out / "residuals.png"))  # fmt: skip
     if result.correction is not None:
         paths.append(_residuals(plt, result, result.correction.loo_point_s,
-                                f"{name}: corrected model, leave-one-point-out along M (red: past 30%)",
+                                f"{name}: corrected model, leave-one-point-out along M (circled: past 30%)",
                                 out / "cv_residuals.png", bound=0.30))  # fmt: skip
     return paths
 
