@@ -51,12 +51,20 @@ class ShapeCorrections:
             if c is not None:
                 self._tables[name] = ([math.log(t) for t in c.tokens], list(c.log_ratio))
         self._cache: dict[tuple[str, float], float] = {}
+        self._at: dict[float, dict[str, float]] = {}
 
     def __bool__(self) -> bool:
         return bool(self._tables)
 
     def has(self, name: str) -> bool:
         return name in self._tables
+
+    def at(self, tokens: float) -> dict[str, float]:
+        """measured / physical of every corrected operator over ``tokens`` tokens (cached per token count)."""
+        fs = self._at.get(tokens)
+        if fs is None:
+            fs = self._at[tokens] = {name: self.factor(name, tokens) for name in self._tables}
+        return fs
 
     def factor(self, name: str, tokens: float) -> float:
         """measured / physical for operator ``name`` over ``tokens`` tokens (1 without a correction)."""

@@ -293,10 +293,17 @@ class CostModel:
         compute_s = memory_s = flops = num_bytes = 0.0
         overhead_s = self.host_overhead_s(len(seqs), tokens)
         latency, small, corr = self._latency, self._small, self._corr
+        at = corr.at(ops[0].size_tokens) if corr is not None else None  # factors at the step's token count
         for op in ops:  # op_time's arithmetic, inlined: this is the simulator's hot path
             r = op.repeat
-            if corr is not None:  # a profiled shape's measured correction scales the whole kernel
-                r = r * corr.factor(op.name, op.size_tokens)
+            if at is not None:  # a profiled shape's measured correction scales the whole kernel
+                f = (
+                    at.get(op.name)
+                    if op.size_tokens == ops[0].size_tokens
+                    else corr.factor(op.name, op.size_tokens)
+                )
+                if f is not None:
+                    r = r * f
             c = compute_time_s(op.flops, op.size_tokens, hw, op.kind)
             mem = memory_time_s(op.bytes, hw, op.kind, op.size_tokens, op.curve)
             if c > mem:
