@@ -18,7 +18,7 @@ from kvbalance.perf.correction import (
     loo_point_log_ratio,
 )
 from kvbalance.perf.cost import CostModel
-from kvbalance.perf.fit_cv import fit_corrections
+from kvbalance.perf.fit_cv import fit_corrections, loo_model_refit, sample_keys
 from kvbalance.perf.fit_gpu import predict_operator_samples
 from kvbalance.perf.profiles import VIDUR_OPS, OperatorSample, ProfileShape
 from kvbalance.specs import HardwareSpec, ShapeCorrection, get_gpu
@@ -200,3 +200,32 @@ def test_bad_corrections_name_the_field():
     d["shape_corrections"] = {"k": {"tokens": [2, 1], "log_ratio": [0, 0]}}
     with pytest.raises(ValueError, match="^shape_corrections: tokens"):
         HardwareSpec.from_dict(d)
+
+
+def test_leave_one_model_out_with_refit_fits_without_the_held_out_model():
+    """Two models with the same shapes: each is predicted by the physical curves refitted on the other alone,
+    times the other's corrections (measured against that refit), so it gets the other's measured times."""
+    meas, _ = _measured()
+    twin = ProfileShape("twin-7b", *dataclasses.astuple(SHAPE)[1:])
+    both = meas + [dataclasses.replace(s, shape=twin, time_s=s.time_s * 1.1) for s in meas]
+    both.append(
+        OperatorSample("synth", twin, "mlp_up", "mlp_up_proj", 1024, 2, 1e-3)
+    )  # a shape only the twin has
+    seen = []
+
+    def refit(base, samples):
+        models = {s.shape.model for s in samples}
+        seen.append(models)
+        return base.with_(compute_eff_max=0.5 if models == {"gated-7b"} else 0.6)
+
+    keys = sample_keys(both, PHYS)
+    got = loo_model_refit(both, PHYS, keys, refit)
+    assert seen == [{"twin-7b"}, {"gated-7b"}]
+    # the twin's profiled times are 1.1x: each model gets the other's measured times
+    expect = [s.time_s * 1.1 for s in meas] + [s.time_s for s in meas]
+    assert got[:-1] == pytest.approx(expect, rel=1e-5)
+    # a shape the other model never ran: the refitted physical model alone
+    refitted = predict_operator_samples(both[-1:], PHYS.with_(compute_eff_max=0.5))
+    assert got[-1] == pytest.approx(refitted[0], rel=1e-12) and refitted[0] != pytest.approx(
+        predict_operator_samples(both[-1:], PHYS)[0]
+    )

@@ -24,6 +24,11 @@ def add_parser(sub) -> None:
         "--totals", action="store_true", help="print each class's total only, not its token ranges"
     )
     p.add_argument(
+        "--cv-refit",
+        action="store_true",
+        help="leave-one-model-out refits the physical curves without each held-out model (a fit per model)",
+    )
+    p.add_argument(
         "--no-corrections",
         action="store_true",
         help="the physical model only: no measured correction per profiled shape in the preset",
@@ -62,6 +67,7 @@ def run(args) -> int:
         name=args.name,
         source=", ".join(used) + " (microsoft/vidur, MIT)",
         corrections=not args.no_corrections,
+        cv_refit=args.cv_refit,
     )
     hw = result.hardware
     hw.save(args.out)

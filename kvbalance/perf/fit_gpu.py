@@ -264,6 +264,14 @@ def predict_operator_samples(
     )
 
 
+def fit_physical(base: HardwareSpec, ops: Sequence[OperatorSample]) -> HardwareSpec:
+    """``base`` with its GEMM curve and element-wise curves fitted on ``ops`` (the physical model)."""
+    hw = base.with_(
+        memory_half_bytes=0.0, per_layer_overhead_s=0.0, elementwise_curves={}, **fit_gemm(ops, base)
+    )
+    return hw.with_(elementwise_curves=fit_elementwise(ops, hw))
+
+
 def fit_gpu(
     base: HardwareSpec,
     ops: Sequence[OperatorSample],
@@ -272,17 +280,16 @@ def fit_gpu(
     name: str | None = None,
     source: str = "",
     corrections: bool = True,
+    cv_refit: bool = False,
 ) -> FitResult:
     """Fit ``base``'s efficiency curves on ``ops`` (and its host overhead on ``host``, its TP link on
     ``allreduce`` where given), then (``corrections``) each profiled shape's measured correction; peaks,
-    bandwidth and capacity stay ``base``'s datasheet values."""
+    bandwidth and capacity stay ``base``'s datasheet values. ``cv_refit``: the leave-one-model-out score refits
+    the physical curves without each held-out model (one more fit per model)."""
     if not ops:
         raise ValueError("samples: no operator samples to fit")
     base = base.with_(shape_corrections={})
-    hw = base.with_(
-        memory_half_bytes=0.0, per_layer_overhead_s=0.0, elementwise_curves={}, **fit_gemm(ops, base)
-    )
-    hw = hw.with_(elementwise_curves=fit_elementwise(ops, hw))
+    hw = fit_physical(base, ops)
     if host:
         hw = hw.with_(**fit_host(host))
     if allreduce:
@@ -290,7 +297,7 @@ def fit_gpu(
         hw = hw.with_(tp_link=fit_link(allreduce, hw.tp_link, link_name))
     pred = predict_operator_samples(ops, hw)
     errors = operator_errors(ops, pred)
-    corr = fit_corrections(ops, pred, hw) if corrections else None
+    corr = fit_corrections(ops, pred, hw, fit_physical if cv_refit else None) if corrections else None
     gemm = next(e for e in errors if e.op_class == "gemm" and e.tokens == "all")
     note = (
         f"{base.name}: datasheet peaks ({base.source.split('.')[0]}); efficiency curves and kernel latency"
