@@ -66,10 +66,11 @@ def test_workload_area_caps_the_largest_request_at_the_context():
 
 def test_workload_area_of_a_trace_uses_its_pairs(tmp_path):
     path = tmp_path / "t.csv"
-    path.write_text("input_len,output_len\n10,3\n2,1\n")
+    path.write_text("input_len,output_len\n10,1\n2,5\n")
     a = workload_area(f"trace:{path}", 4)
-    # g(10, 3) = 58, g(2, 1) = 2 + 3 = 5; steps 3 + 3 - 1 = 5 and 1 + 1 - 1 = 1
-    assert a == WorkloadArea((58 + 5) / 2, 6.0, 2.0, 13, 3.0)
+    # g(10, 1) = 22 + 11 = 33, g(2, 5) = 2 + (5 x 2 + 15) = 27; steps 3 + 1 - 1 = 3 and 1 + 5 - 1 = 5
+    # ess sup of the pairs is 11 (10 + 1), not max(s) + max(o) = 15
+    assert a == WorkloadArea((33 + 27) / 2, 6.0, 3.0, 11, 4.0)
 
 
 def test_mixture_area_mixes_each_statistic_linearly_and_takes_the_largest_present_request():
@@ -79,6 +80,7 @@ def test_mixture_area_mixes_each_statistic_linearly_and_takes_the_largest_presen
     assert m == WorkloadArea(0.25 * 58 + 0.75 * 10, 0.25 * 10 + 1.5, 0.75 + 3.0, 100, 1.25 + 1.5)
     assert mixture_area([a, b], [1.0, 0.0]).max_total_tokens == 13  # a part of weight 0 never arrives
     assert mixture_area([a], [1]) == a
+    assert mixture_area([a, b], ["0.25", "0.75"]) == m
     for parts, weights in (([a, b], [1.0]), ([], []), ([a, b], [1.5, -0.5]), ([a, b], [0.5, 0.4])):
         with pytest.raises(
             ValueError, match="^weights: need one non-negative weight per part, summing to 1$"
@@ -138,6 +140,7 @@ def test_batch_time_stats_by_hand():
         "p90": pytest.approx(2.0, rel=1e-12),  # linear interpolation: 1 + 0.1 x (11 - 1)
         "count": 10,
     }
+    assert batch_time_stats(["1", "3"])["mean"] == 2.0  # anything numpy reads as floats, e.g. CSV strings
     s = batch_time_stats([4, 1, 2, 3])  # integers are durations too
     assert (s["median"], s["mean"], s["auto_method"], s["p10"], s["p90"]) == (2.5, 2.5, "median", 1.3, 3.7)
     with pytest.raises(ValueError, match="step_times is empty"):
@@ -147,6 +150,7 @@ def test_batch_time_stats_by_hand():
 def test_steady_window_is_the_10th_to_90th_percentile_completion():
     assert steady_window(list(range(11))) == (1.0, 9.0)
     assert steady_window([3, 1]) == (1.2, 2.8)
+    assert steady_window(["3", "1"]) == (1.2, 2.8)
     with pytest.raises(ValueError, match="^need at least two completions to find a steady window$"):
         steady_window([1.0])
 
@@ -169,6 +173,8 @@ def test_window_step_times_keeps_non_empty_steps_started_inside_the_closed_windo
     )
     assert window_step_times(tl, 1.0, 3.0).tolist() == [0.2, 0.4]  # both ends included, the empty step not
     assert window_step_times(tl, 0.5, 2.5).tolist() == [0.2]
+    one = _timeline([(0.0, 1, 0, 100, 1, 0.5)])  # a single decode token is a step
+    assert window_step_times(one, 0.0, 1.0).tolist() == [0.5]
 
 
 def test_saturation_from_a_hand_built_run():
@@ -219,6 +225,8 @@ def test_saturation_errors_and_a_window_without_capacity():
         saturation_from_run(empty, 1)
     free = SimpleNamespace(**{**vars(empty), "timelines": [_timeline([(2.0, 1, 0, 0, 8, 1.0)])]})
     assert math.isnan(saturation_from_run(free, 1).kv_usage_window)  # no capacity in the window
+    tiny = SimpleNamespace(**{**vars(empty), "timelines": [_timeline([(2.0, 1, 1, 2, 8, 0.25)])]})
+    assert saturation_from_run(tiny, 1).kv_usage_window == 0.5  # capacity x time 0.5 token-seconds
 
 
 def test_sample_and_hold_takes_the_last_row_at_or_before_each_time():
@@ -247,5 +255,9 @@ def test_queue_growth_fits_the_trend_on_the_grid():
     assert shrinking["slope_rps"] > 0 and shrinking["growing"] is False  # 30 is not above 2 x 20 + 5
     assert queue_growth(np.arange(4.0), [0, 30, 0, 6], 0.0, 3.0, points=4)["growing"] is False  # slope < 0
     assert len(queue_growth(times, q, 10.0, 17.0)["grid_s"]) == 400
+    slow = queue_growth(np.arange(8.0), [0, 0, 0, 0, 0, 0, 6, 6], 0.0, 7.0, points=8)
+    assert 0 < slow["slope_rps"] < 1 and slow["growing"] is True  # any positive trend counts
+    text = queue_growth(["0", "1", "2", "3"], ["1", "3", "5", "7"], 0.0, 3.0, points=4)
+    assert text["queue"].tolist() == [1.0, 3.0, 5.0, 7.0]
     with pytest.raises(ValueError, match=r"^t_end: must be after t_start \(3.0\), got 3.0$"):
         queue_growth(times, q, 3.0, 3.0)

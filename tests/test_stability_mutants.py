@@ -106,8 +106,9 @@ def test_instances_needed_floating_point_guards():
     rate, mu = 2108.7687815281693, 70.29229271760565
     assert not rate / 30 < mu and np.floor(rate / mu) + 1 == 30
     assert instances_needed(rate, mu, 0.0) == 31
-    # a large load: the first estimate is already right (no linear search from far away)
+    # large loads: the first estimate is already right (no linear search from far away)
     assert instances_needed(3e9, 1e9, 0.0) == 4
+    assert instances_needed(1e15, 1.0, 0.0) == 10**15 + 1
 
 
 def test_batch_time_estimate_rejects_bad_durations_by_name():
@@ -188,6 +189,9 @@ def test_monte_carlo_rounds_and_clips_float_draws_and_keeps_ints():
     big = 2**53 + 1  # above float64's exact integers: integer draws must stay integers
     s = area_stats(Const(big), 0, big, exact=False)
     assert s.max_total_tokens == big and s.mean_input_tokens == float(big)
+    # rounded float draws become integers too: 2^60 + 1 is not a float64
+    f = area_stats(Const(float(2**60)), 1, 2**61, exact=False)
+    assert f.max_total_tokens == 2**60 + 1
 
 
 def test_monte_carlo_draws_from_the_pmf_with_its_probabilities():
