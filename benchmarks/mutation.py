@@ -244,6 +244,19 @@ def mutant_diff(name: str) -> list[str]:
     return [ln for ln in lines if ln[:1] in "+-" and ln[:3] not in ("+++", "---")]
 
 
+def forget_plain_copies() -> None:
+    """Delete mutants/ copies of ``only_mutate`` files that hold no mutants (copied before the file was
+    added to ``only_mutate``): mutmut keeps a copy newer than its source, so it would never mutate it."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["mutmut"]
+    for pattern in config.get("only_mutate", []):
+        for source in ROOT.glob(pattern):
+            copy = MUTANTS / source.relative_to(ROOT)
+            if copy.is_file() and not copy.with_name(copy.name + ".meta").exists() and source.suffix == ".py":
+                copy.unlink()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["run", "summary", "survivors", "rerun-survivors"])
@@ -257,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         # generate the mutants and collect test stats (mutmut stops there: the name matches nothing), then
         # test only what is not already killed in the merged results
+        forget_plain_copies()
         subprocess.run(
             [*MUTMUT, "run", "kvbalance.generate-only.*"], cwd=ROOT, capture_output=True, check=False
         )

@@ -338,6 +338,23 @@ def test_an_engine_failure_in_one_choice_is_raised_and_ends_that_choice(clock):
     asyncio.run(go())
 
 
+def test_a_failed_choice_among_three_leaves_two_open(clock):
+    async def go():
+        eng = FakeEngine()
+        bad = stream(eng, "bad", [RuntimeError("boom")])
+        ok = [stream(eng, r, [out(r, [5], finished=True)]) for r in ("b", "c")]
+        ch = Choices([bad, *ok], Http())
+        with pytest.raises(RuntimeError, match="boom"):
+            await ch.next()
+        assert ch._open == 2
+        rest = [(await ch.next())[0], (await ch.next())[0]]
+        with pytest.raises(StopAsyncIteration):
+            await ch.next()
+        assert rest == [1, 2]
+
+    asyncio.run(go())
+
+
 def test_abort_cancels_the_pumps_and_the_pending_getter(clock, monkeypatch):
     monkeypatch.setattr(streaming, "DISCONNECT_POLL_S", 0.001)
 
