@@ -1,4 +1,5 @@
-"""Mutation testing of the KV cache, scheduler, cost model and queueing theory: the kill ratio per path.
+"""Mutation testing of the KV cache, scheduler, cost model, queueing theory and the server's abort path: the kill
+ratio per path and per file.
 
 Runs mutmut 3 (dev extra; configured in pyproject.toml ``[tool.mutmut]``: what is mutated and the focused
 test selection) over the chosen paths, then reads mutmut's per-file results under ``mutants/`` and prints
@@ -10,11 +11,13 @@ Equivalent mutants (no behaviour change) are listed, one per line with a reason,
 
 mutmut resets its verdicts whenever its test selection changes; this script keeps the merged verdicts of
 every run in ``mutants/merged-results.json`` (a killed mutant stays killed while its source file is
-unchanged), so ``rerun-survivors`` after adding tests only retests what survived.
+unchanged), so ``rerun-survivors`` after adding tests only retests what survived. Files listed in ``EXCLUDED``
+are mutated but not tested (their tests are too slow to run per mutant); the summary reports the ratio both
+over what ran and with their mutants counted as survivors.
 
 Usage (from the repository root; ``scripts/mutation.sh`` wraps it):
 
-    .venv/bin/python benchmarks/mutation.py run [kvcache scheduler perf theory]   # mutate, test, summarise
+    .venv/bin/python benchmarks/mutation.py run [kvcache scheduler perf theory server-abort]  # mutate, test
     .venv/bin/python benchmarks/mutation.py summary                             # summarise the last run
     .venv/bin/python benchmarks/mutation.py survivors [PATH]                    # diffs of surviving mutants
     .venv/bin/python benchmarks/mutation.py rerun-survivors [PATH]              # retest survivors only
