@@ -188,3 +188,24 @@ def test_attention_split_step_by_hand(cm):
 def test_live_migration_cost_fields():
     c = LiveMigrationCost((2, 1), 1, 0.5, 0.25, 100, True)
     assert c.rounds == 2 and c.total_s == 0.75
+
+
+def test_stage_times_count_a_compute_memory_tie_as_memory_like_the_step(cm):
+    # compute T h / peak equals memory 3 T h dt / bw for the residual add when bw = 6 x peak (dt = 2)
+    tie = dataclasses.replace(
+        cm.gpu,
+        peak_flops=1e12,
+        mem_bandwidth_bytes_s=6e12,
+        compute_eff_max=1.0,
+        memory_eff_max=1.0,
+        compute_half_tokens=0.0,
+        memory_half_bytes=0.0,
+        elementwise_curves={},
+    )
+    tcm = CostModel("llama-2-7b", tie)
+    seqs = [(8, 8, True)]
+    add = tcm.op_times(seqs)["residual_add"]
+    assert add.compute_s == add.memory_s > 0
+    step, stage = tcm.step(seqs), stage_times(tcm, seqs, (0, 32))
+    assert stage.compute_s == pytest.approx(step.compute_s, rel=1e-12)
+    assert stage.memory_s == pytest.approx(step.memory_s, rel=1e-12)
