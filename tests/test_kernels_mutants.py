@@ -70,7 +70,8 @@ def test_cost_model_kernel_shapes():
     act = cm.kernel("activation", 2)  # SwiGLU: 5 FLOPs per element, reads gate and up, writes one
     assert act == OpCount("activation", ELEMENTWISE, 5 * 2 * INTER, 3 * 2 * INTER * DT, 2.0, 1, "activation")
     with pytest.raises(
-        ValueError, match=r"^op: 'attn_decode' is not a GEMM or element-wise operator \(known: qkv_proj,"
+        ValueError,
+        match=r"^op: 'attn_decode' is not a GEMM or element-wise operator \(known: qkv_proj, o_proj, mlp_up, mlp_down, lm_head, embedding,",
     ):
         cm.kernel("attn_decode", 1)
 

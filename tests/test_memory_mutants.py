@@ -68,6 +68,9 @@ def test_engine_reserve_samples_min_of_seqs_and_budget():
     d = engine_activation_reserve_bytes(big_vocab)  # tp 1, 8192 tokens, 256 sequences
     assert d == 2 * 8192 * 64 * 2 + 256 * 100_000 * 10
     assert engine_activation_reserve_bytes(TINY, 2) == activation_reserve_bytes(TINY, 8192, 2)
+    assert (
+        engine_activation_reserve_bytes(TINY) == 2 * 8192 * 64 * 2 + 8192 * 2 * 544
+    )  # tp 1: attention-bound
 
 
 def _gpu(capacity_bytes: int):
