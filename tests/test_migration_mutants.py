@@ -155,6 +155,7 @@ def test_merge_exchange_bytes_by_hand(cm):
 
 
 def test_attention_split_without_a_move_is_the_full_step(cm):
+    cm = CostModel("llama-2-7b", dataclasses.replace(cm.gpu, per_layer_overhead_s=1e-5))  # launches cost
     seqs = [(1, 500, True)] * 4
     full = stage_times(cm, seqs, (0, 32)).total_s
     assert attention_split_step(cm, cm, seqs, 0.0, 1.0, LINK) == AttentionSplitStep(full, full, 0.0, 0, 0.0)
@@ -169,6 +170,9 @@ def test_attention_split_without_a_move_is_the_full_step(cm):
 
 
 def test_attention_split_step_by_hand(cm):
+    cm = CostModel(
+        "llama-2-7b", dataclasses.replace(cm.gpu, per_layer_overhead_s=1e-5)
+    )  # the helper's launches
     seqs = [(1, 2000, True)] * 8
     full = stage_times(cm, seqs, (0, 32)).total_s
     attn = cm.op_times(seqs)["attn_decode"]
