@@ -109,6 +109,10 @@ def test_instances_needed_floating_point_guards():
     # large loads: the first estimate is already right (no linear search from far away)
     assert instances_needed(3e9, 1e9, 0.0) == 4
     assert instances_needed(1e15, 1.0, 0.0) == 10**15 + 1
+    # an overshoot by one at 3.8e11 instances: the guard steps down once (not down to 1 and back up)
+    rate, mu = 343650965137.71906, 0.8927560963415868
+    assert rate / 384932644589 < mu and np.floor(rate / mu) + 1 == 384932644590
+    assert instances_needed(rate, mu, 0.0) == 384932644589
 
 
 def test_batch_time_estimate_rejects_bad_durations_by_name():
