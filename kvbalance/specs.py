@@ -334,6 +334,30 @@ class MemoryCurve:
 
 
 @dataclass(frozen=True)
+class ShapeCorrection:
+    """Measured-time correction of one profiled kernel shape on one GPU (the second level of the cost model,
+    after Vidur's per-operator predictor from profiled points): at ``tokens[i]`` (M, ascending) the measured
+    time is ``exp(log_ratio[i])`` times the physical model's; between knots the log ratio is interpolated
+    linearly in log M, beyond the ends it holds the end value (``kvbalance.perf.correction``)."""
+
+    tokens: tuple[float, ...]
+    log_ratio: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", tuple(float(t) for t in self.tokens))
+        object.__setattr__(self, "log_ratio", tuple(float(r) for r in self.log_ratio))
+        if not self.tokens or len(self.tokens) != len(self.log_ratio):
+            raise ValueError(
+                f"tokens, log_ratio: need as many ratios as token counts (>= 1), got "
+                f"{len(self.tokens)} and {len(self.log_ratio)}"
+            )
+        if self.tokens[0] < 1 or any(b <= a for a, b in zip(self.tokens, self.tokens[1:])):
+            raise ValueError("tokens: must be >= 1 and strictly ascending")
+        if not all(abs(r) < 20 for r in self.log_ratio):  # also rejects NaN
+            raise ValueError("log_ratio: must be finite, |log_ratio| < 20")
+
+
+@dataclass(frozen=True)
 class HardwareSpec:
     """One accelerator (or a CPU): peaks, capacity, efficiency curves and fixed overheads.
 
@@ -353,6 +377,11 @@ class HardwareSpec:
     when tensor parallel workers must be synchronised (tp > 1), ``host_overhead_tp_s +
     host_overhead_tp_per_seq_s * seqs + host_overhead_per_tp_rank_s * (tp - 1)`` (broadcasting the step's
     inputs to the workers grows with the batch and with the number of workers).
+
+    ``shape_corrections`` maps a profiled kernel shape (``kvbalance.perf.correction.kernel_key``) to its
+    :class:`ShapeCorrection` on this GPU: the simulator reproduces the measured times of profiled shapes
+    (cuBLAS kernel switches included) and uses the physical model alone everywhere else. Only the preset
+    fitted on this GPU's own measurements carries them (presets that borrow a fit do not).
     """
 
     name: str
@@ -376,6 +405,7 @@ class HardwareSpec:
     )
     host_overhead_per_tp_rank_s: float = 0.0  # extra host time per step per worker beyond the first
     elementwise_curves: dict[str, MemoryCurve] = field(default_factory=dict, hash=False)
+    shape_corrections: dict[str, ShapeCorrection] = field(default_factory=dict, hash=False, repr=False)
     l2_cache_bytes: float = 0.0  # last-level cache (datasheet); 0: the curves see no cache term
     num_sms: int = 0  # streaming multiprocessors (datasheet); 0: the curves see no wave quantisation
     tp_link: LinkSpec = field(default_factory=lambda: LINKS["nvlink"])  # intra-node link used by TP
@@ -408,6 +438,11 @@ class HardwareSpec:
                 raise ValueError(
                     f"elementwise_curves: {cls!r} must be a MemoryCurve (hardware {self.name!r})"
                 )
+        for key, corr in self.shape_corrections.items():
+            if not isinstance(key, str) or not isinstance(corr, ShapeCorrection):
+                raise ValueError(
+                    f"shape_corrections: {key!r} must map a kernel key to a ShapeCorrection (hardware {self.name!r})"
+                )
 
     def host_overhead_s(self, num_seqs: int, num_tokens: int, tp: int = 1) -> float:
         """Engine host time of one step over ``num_seqs`` sequences and ``num_tokens`` tokens."""
@@ -436,7 +471,12 @@ class HardwareSpec:
 
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["shape_corrections"] = {  # lists, not tuples: YAML's safe dumper writes lists only
+            k: {"tokens": [int(t) if t.is_integer() else t for t in c.tokens], "log_ratio": list(c.log_ratio)}
+            for k, c in self.shape_corrections.items()
+        }
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HardwareSpec:
@@ -468,13 +508,32 @@ class HardwareSpec:
                 raise ValueError(
                     f"elementwise_curves: {e} (fields: {', '.join(f.name for f in fields(MemoryCurve))})"
                 ) from None
+        corr = d.get("shape_corrections")
+        if corr is not None:
+            if not isinstance(corr, dict):
+                raise ValueError(f"shape_corrections: expected a mapping, got {type(corr).__name__}")
+            try:
+                d["shape_corrections"] = {
+                    k: v if isinstance(v, ShapeCorrection) else ShapeCorrection(**v) for k, v in corr.items()
+                }
+            except TypeError as e:
+                raise ValueError(f"shape_corrections: {e} (fields: tokens, log_ratio)") from None
+            except ValueError as e:
+                raise ValueError(f"shape_corrections: {e}") from None
         try:
             return cls(**d)
         except TypeError as e:  # a required field is missing
             raise ValueError(f"hardware: {e}") from None
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+        """Indented JSON; each shape correction on one line (a fitted GPU has thousands of knots)."""
+        d = self.to_dict()
+        corr = d.pop("shape_corrections")
+        text = json.dumps(d, indent=2)
+        if not corr:
+            return text[:-2] + ',\n  "shape_corrections": {}\n}'
+        lines = [f"    {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}" for k, v in corr.items()]
+        return text[:-2] + ',\n  "shape_corrections": {\n' + ",\n".join(lines) + "\n  }\n}"
 
     def save(self, path: str | os.PathLike) -> None:
         """Write as YAML (``.yaml``/``.yml``) or JSON (anything else)."""
@@ -547,11 +606,16 @@ def _fit(name: str) -> HardwareSpec | None:
     return load_hardware(path) if path.is_file() else None
 
 
-def _borrow(datasheet: HardwareSpec, fit: HardwareSpec | None, why: str, link: bool = False) -> HardwareSpec:
-    """``datasheet``'s peaks with ``fit``'s efficiency curves and overheads (and its TP link if ``link``)."""
+def _borrow(
+    datasheet: HardwareSpec, fit: HardwareSpec | None, why: str, link: bool = False, own: bool = False
+) -> HardwareSpec:
+    """``datasheet``'s peaks with ``fit``'s efficiency curves and overheads (and its TP link if ``link``; and
+    its measured-shape corrections if ``own``: the fit was made on this very GPU)."""
     if fit is None:
         return datasheet.with_(source=datasheet.source + _EFF_NOTE)
-    extra = {"tp_link": fit.tp_link} if link else {}
+    extra: dict[str, Any] = {"tp_link": fit.tp_link} if link else {}
+    if own:
+        extra["shape_corrections"] = fit.shape_corrections
     fitted = {f: getattr(fit, f) for f in FITTED_FIELDS}
     return datasheet.with_(**fitted, **extra, source=f"{datasheet.source} {why} Fit: {fit.source}")
 
@@ -590,10 +654,10 @@ def _presets() -> dict[str, HardwareSpec]:
     return {
         "a100-40gb": _borrow(d["a100-40gb"], a40, ampere),
         "a100-80gb": _borrow(d["a100-80gb"], a40, ampere),
-        "h100-sxm": _borrow(d["h100-sxm"], h100, "Fitted on H100 measurements.", link=True),
+        "h100-sxm": _borrow(d["h100-sxm"], h100, "Fitted on H100 measurements.", link=True, own=True),
         "h200": _borrow(d["h200"], h100, hopper, link=True),
         "l40s": _borrow(d["l40s"], a40, ampere.replace("A40 fit (", "A40 fit (for Ada: ")),
-        "a40": _borrow(d["a40"], a40, "Fitted on A40 measurements."),
+        "a40": _borrow(d["a40"], a40, "Fitted on A40 measurements.", own=True),
     }
 
 
