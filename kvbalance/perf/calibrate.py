@@ -154,6 +154,8 @@ def nelder_mead(
     """Minimise ``f`` from ``x0`` with the Nelder-Mead simplex (reflect 1, expand 2, contract 0.5, shrink 0.5)."""
     n = len(x0)
     simplex = [np.asarray(x0, dtype=float)]
+    if n == 0:  # nothing to fit (fit_hardware with fit=()): the point itself
+        return simplex[0], float(f(simplex[0]))
     for i in range(n):
         x = simplex[0].copy()
         x[i] += step
