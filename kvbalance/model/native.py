@@ -17,8 +17,9 @@ previous kernel.
 It is compiled with the system C compiler on first use for each shape (~2 CPU seconds, cached by
 source hash in ``$KVBALANCE_CACHE`` or ``~/.cache/kvbalance``) and loaded with ctypes; where no
 compiler is available (it needs GCC >= 12 or Clang for ``__builtin_shufflevector``), or
-``KVBALANCE_NATIVE=0``, callers fall back to the PyTorch path. float32 only; the head dim must be a
-multiple of 16.
+``KVBALANCE_NATIVE=0``, callers fall back to the PyTorch path. The cache is float32 or bfloat16 (a
+bf16 cache is widened to float32 in registers as it is read: half the bytes, the same float32
+arithmetic); the head dim must be a multiple of 16.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* compiled per shape: -DGROUP=<query heads per KV head> -DNVEC=<head_dim / 16> */
+/* compiled per shape: -DGROUP=<query heads per KV head> -DNVEC=<head_dim / 16>, -DKV_BF16=<0 | 1> */
 #define D (16 * NVEC)
 #define MAX_BS 256
 
@@ -50,6 +51,22 @@ typedef float h4 __attribute__((vector_size(16)));
 static inline vf load(const float *p) { return *(const vf *)p; }
 static inline void store(float *p, vf x) { *(vf *)p = x; }
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+#if KV_BF16
+/* bfloat16 cache: a bf16 is the top half of a float32, so widening is a zero-extend and a shift */
+typedef uint16_t kv_t;
+typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+static inline vf load_kv(const kv_t *p) {
+    vu w = __builtin_convertvector(*(const vh *)p, vu) << 16;
+    vf x;
+    memcpy(&x, &w, sizeof x);
+    return x;
+}
+#else
+typedef float kv_t;
+static inline vf load_kv(const kv_t *p) { return load(p); }
+#endif
 
 static inline vf vmax(vf a, vf b) {
     vi a_bigger = a > b;
@@ -110,7 +127,7 @@ static inline vf vexp(vf x) {
 
 /* One (sequence, KV head): the GROUP queries qh [GROUP, D] against the sequence's n_ctx keys, whose
    blocks tab[] lists; k, v point at this head's [NB, BS, D] cache. */
-static void attend_head(const float *restrict qh, const float *restrict k, const float *restrict v,
+static void attend_head(const float *restrict qh, const kv_t *restrict k, const kv_t *restrict v,
                         const int64_t *restrict tab, int64_t n_ctx, int64_t BS, float scale, float *restrict oh) {
     vf q[GROUP][NVEC], acc[GROUP][NVEC];
     float m[GROUP], l[GROUP];
@@ -123,10 +140,10 @@ static void attend_head(const float *restrict qh, const float *restrict k, const
         m[g] = -3.0e38f;
         l[g] = 0.0f;
     }
-    const int64_t n_blocks = (n_ctx + BS - 1) / BS, row_bytes = D * (int64_t)sizeof(float);
+    const int64_t n_blocks = (n_ctx + BS - 1) / BS, row_bytes = D * (int64_t)sizeof(kv_t);
     for (int64_t blk = 0; blk < n_blocks; blk++) {
         const int64_t n = n_ctx - blk * BS < BS ? n_ctx - blk * BS : BS;
-        const float *kb = k + tab[blk] * BS * D, *vb = v + tab[blk] * BS * D;
+        const kv_t *kb = k + tab[blk] * BS * D, *vb = v + tab[blk] * BS * D;
         const int64_t next = tab[blk + 1 < n_blocks ? blk + 1 : blk] * BS * D;
         const char *nk = (const char *)(k + next), *nv = (const char *)(v + next);
         /* scores, 16 keys at a time; prefetch the next block's K row by row meanwhile */
@@ -134,10 +151,10 @@ static void attend_head(const float *restrict qh, const float *restrict k, const
         for (; t + 16 <= n; t += 16) {
             vf part[GROUP][16];
             for (int u = 0; u < 16; u++) {
-                const float *kt = kb + (t + u) * D;
+                const kv_t *kt = kb + (t + u) * D;
                 for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(nk + (t + u) * row_bytes + off, 0, 1);
                 vf kr[NVEC];
-                for (int j = 0; j < NVEC; j++) kr[j] = load(kt + 16 * j);
+                for (int j = 0; j < NVEC; j++) kr[j] = load_kv(kt + 16 * j);
                 for (int g = 0; g < GROUP; g++) {
                     vf a = q[g][0] * kr[0];
                     for (int j = 1; j < NVEC; j++) a += q[g][j] * kr[j];
@@ -147,10 +164,10 @@ static void attend_head(const float *restrict qh, const float *restrict k, const
             for (int g = 0; g < GROUP; g++) store(s[g] + t, reduce16(part[g]));
         }
         for (; t < n; t++) {
-            const float *kt = kb + t * D;
+            const kv_t *kt = kb + t * D;
             for (int g = 0; g < GROUP; g++) {
-                vf a = q[g][0] * load(kt);
-                for (int j = 1; j < NVEC; j++) a += q[g][j] * load(kt + 16 * j);
+                vf a = q[g][0] * load_kv(kt);
+                for (int j = 1; j < NVEC; j++) a += q[g][j] * load_kv(kt + 16 * j);
                 s[g][t] = hsum(a);
             }
         }
@@ -174,10 +191,10 @@ static void attend_head(const float *restrict qh, const float *restrict k, const
         }
         /* weighted values; prefetch the next block's V row by row meanwhile */
         for (int64_t i = 0; i < n; i++) {
-            const float *vt = vb + i * D;
+            const kv_t *vt = vb + i * D;
             for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(nv + i * row_bytes + off, 0, 1);
             vf vr[NVEC];
-            for (int j = 0; j < NVEC; j++) vr[j] = load(vt + 16 * j);
+            for (int j = 0; j < NVEC; j++) vr[j] = load_kv(vt + 16 * j);
             for (int g = 0; g < GROUP; g++) {
                 const vf p = splat(s[g][i]);
                 for (int j = 0; j < NVEC; j++) acc[g][j] += p * vr[j];
@@ -191,7 +208,7 @@ static void attend_head(const float *restrict qh, const float *restrict k, const
 }
 
 /* q, out: [B, KVH, GROUP, D]; k, v: [KVH, NB, BS, D]; table: [B, MAXB]; ctx: [B] (tokens with KV). */
-void paged_decode_attention(const float *restrict q, const float *restrict k, const float *restrict v,
+void paged_decode_attention(const float *restrict q, const kv_t *restrict k, const kv_t *restrict v,
                             const int64_t *restrict table, const int64_t *restrict ctx, float *restrict out,
                             int64_t B, int64_t KVH, int64_t NB, int64_t BS, int64_t MAXB, float scale, int nthreads) {
     #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
@@ -215,7 +232,8 @@ _FLAGS = [
     "-shared",
 ]
 _lock = threading.Lock()
-_libs: dict[tuple[int, int], ctypes.CDLL | None] = {}
+_libs: dict[tuple[int, int, bool], ctypes.CDLL | None] = {}
+KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _cache_dir() -> Path:
@@ -223,13 +241,14 @@ def _cache_dir() -> Path:
     return Path(base) / "native"
 
 
-def _build(group: int, head_dim: int) -> ctypes.CDLL | None:
+def _build(group: int, head_dim: int, kv_bf16: bool) -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
-    flags = [*_FLAGS, f"-DGROUP={group}", f"-DNVEC={head_dim // 16}"]
+    flags = [*_FLAGS, f"-DGROUP={group}", f"-DNVEC={head_dim // 16}", f"-DKV_BF16={int(kv_bf16)}"]
     tag = hashlib.sha256((_SOURCE + " ".join(flags) + cc).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_attention_g{group}_d{head_dim}_{tag}.so"
+    kv = "bf16" if kv_bf16 else "f32"
+    out = _cache_dir() / f"paged_attention_g{group}_d{head_dim}_{kv}_{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -248,15 +267,20 @@ def _build(group: int, head_dim: int) -> ctypes.CDLL | None:
     return lib
 
 
-def native_library(group: int = 1, head_dim: int = 64) -> ctypes.CDLL | None:
-    """The kernel compiled for this (GQA group, head dim), or None where it is disabled or cannot be built."""
-    key = (int(group), int(head_dim))
+def native_library(
+    group: int = 1, head_dim: int = 64, kv_dtype: torch.dtype = torch.float32
+) -> ctypes.CDLL | None:
+    """The kernel compiled for this (GQA group, head dim, cache dtype), or None where it is disabled or
+    cannot be built."""
+    if kv_dtype not in KV_DTYPES:
+        return None
+    key = (int(group), int(head_dim), kv_dtype == torch.bfloat16)
     if key in _libs:
         return _libs[key]
     with _lock:
         if key not in _libs:
             lib = None
-            if os.environ.get("KVBALANCE_NATIVE", "1") != "0" and _supported_shape(*key):
+            if os.environ.get("KVBALANCE_NATIVE", "1") != "0" and _supported_shape(*key[:2]):
                 try:
                     lib = _build(*key)
                 except OSError:
@@ -273,12 +297,12 @@ def can_use(q: torch.Tensor, k_cache: torch.Tensor, group: int) -> bool:
     kvh, _, bs, hd = k_cache.shape
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k_cache.dtype == torch.float32
+        and q.dtype in KV_DTYPES
+        and k_cache.dtype in KV_DTYPES
         and k_cache.is_contiguous()
         and bs <= MAX_BLOCK_SIZE
         and _supported_shape(group, hd)
-        and native_library(group, hd) is not None
+        and native_library(group, hd, k_cache.dtype) is not None
     )
 
 
@@ -290,15 +314,20 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """``q`` [B, kv_heads, group, head_dim] -> attention output of the same shape.
+    """``q`` [B, kv_heads, group, head_dim] -> attention output of the same shape and dtype.
 
-    ``k_cache``/``v_cache`` are head-major ``[kv_heads, num_blocks, block_size, head_dim]``;
-    ``block_table`` [B, max_blocks] int64; ``context_lens`` [B] int64 (keys each query attends, >= 1).
+    ``k_cache``/``v_cache`` are head-major ``[kv_heads, num_blocks, block_size, head_dim]``, float32 or
+    bfloat16 (widened to float32 as they are read); ``block_table`` [B, max_blocks] int64;
+    ``context_lens`` [B] int64 (keys each query attends, >= 1). Queries, scores, softmax and the
+    weighted sum are float32 whatever the dtypes; a bfloat16 ``q`` gets a bfloat16 output.
     """
     b, kvh, g, d = q.shape
-    lib = native_library(g, d)
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"v_cache: dtype {v_cache.dtype} differs from k_cache's {k_cache.dtype}")
+    lib = native_library(g, d, k_cache.dtype)
     assert lib is not None
-    q = q.contiguous()
+    out_dtype = q.dtype
+    q = q.contiguous().float()
     table = block_table.contiguous()
     ctx = context_lens.contiguous()
     nb, bs = k_cache.shape[1], k_cache.shape[2]
@@ -318,4 +347,4 @@ def paged_decode_attention(
         float(scale),
         torch.get_num_threads(),
     )
-    return out
+    return out.to(out_dtype)
