@@ -241,6 +241,9 @@ class TorchExecutor:
                         output_token_ids=req.output_token_ids if penalised else (),
                     )
                 )
+        top = max((max(t) for t in tables if len(t)), default=0)
+        if top >= self.num_blocks or min((min(t) for t in tables if len(t)), default=0) < 0:
+            raise ValueError(f"block_ids: a block table names a block outside [0, {self.num_blocks})")
         attn = self.model.layers[0].attn
         meta = build_step_metadata(
             starts,

@@ -488,8 +488,11 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         kvh, hd = self.num_kv_heads, self.head_dim
         kv_dtype = self.k_cache.dtype  # may be narrower than the model's (halves the bytes attention reads)
-        self.k_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_dtype))
-        self.v_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_dtype))
+        if native.can_write_kv(k, v, self.k_cache):
+            native.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        else:
+            self.k_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(kv_dtype))
+            self.v_cache.view(kvh, -1, hd).index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(kv_dtype))
         if len(meta.groups) == 1 and meta.groups[0].token_index is None:
             return linear(self._attend(q, meta.groups[0], k, v), self.o)
         out = q.new_empty(t, self.q_size)
