@@ -253,7 +253,7 @@ def run_vllm(
     from kvbalance.model.weights import cache_dir, load_smollm2
 
     load_smollm2(with_tokenizer=False)
-    spec = tmp / "vllm_spec.json"
+    spec = tmp / f"vllm_spec_{os.getpid()}.json"  # one per bench process: concurrent runs never share it
     spec.write_text(
         json.dumps(
             {
