@@ -130,15 +130,25 @@ def test_bf16_executor_is_as_close_to_fp32_as_transformers_bf16(config, chunk):
     assert decided >= total / 3
 
 
+def _generate(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
 @needs_bf16
 @pytest.mark.slow
 def test_smollm2_bf16_matches_transformers():
-    """The real model at bf16 (``dtype="auto"`` here), chunked prefills beside decodes: the criteria
-    above, and greedy tokens equal to transformers' fp32 ones for the first 4 tokens of each prompt."""
+    """The real model at bf16, 4-token prefill chunks beside decodes: the logit criterion above, and all
+    8 greedy tokens of each prompt equal to transformers' bf16 ``generate`` (and its fp32 one). Measured
+    here: our logit error against fp32 0.46-0.55 vs transformers' bf16 0.55-0.72; top-1/top-2 margins go
+    down to 0.05, so on another CPU a near-tie could flip a late token of one prompt."""
     from kvbalance.model.weights import cache_dir, load_smollm2
 
     loaded = load_smollm2()
     hf32 = transformers.AutoModelForCausalLM.from_pretrained(str(cache_dir()), dtype=torch.float32).eval()
+    hf32.generation_config.eos_token_id, hf32.generation_config.pad_token_id = None, 0
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
     tok = loaded.tokenizer
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there"]
@@ -149,8 +159,7 @@ def test_smollm2_bf16_matches_transformers():
     blocks, logits = Blocks(64), {}
     while any(r.num_output_tokens < NUM_OUT for r in reqs):
         step(ex, [r for r in reqs if r.num_output_tokens < NUM_OUT], blocks, 4, logits)
-    decided, total = _check_against_transformers(reqs, logits, hf32, hf16)
-    assert decided >= total / 2
+    _check_against_transformers(reqs, logits, hf32, hf16)
     for r in reqs:
-        ref = _teacher_forced(hf32, list(r.prompt_token_ids), r.output_token_ids).argmax(-1)
-        assert r.output_token_ids[:4] == ref[:4].tolist()
+        prompt = list(r.prompt_token_ids)
+        assert r.output_token_ids == _generate(hf16, prompt, NUM_OUT) == _generate(hf32, prompt, NUM_OUT)
