@@ -34,7 +34,14 @@ class RequestOutput:
 
 
 class LLMEngine:
-    """Continuous-batching engine over a real model (CPU or CUDA)."""
+    """Continuous-batching engine over a real model (CPU or CUDA).
+
+    ``dtype`` (vLLM's engine argument): ``"auto"`` (default) takes the checkpoint's dtype, float32
+    checkpoints downcast to bfloat16, where the device computes bf16 natively (here: AVX512-BF16/AMX,
+    oneDNN); otherwise float32. ``"float32"`` is token-identical to transformers' float32 model;
+    ``"bfloat16"`` computes as transformers' bf16 does (not bit-identical: see tests/test_bf16.py).
+    The KV cache takes the model's dtype. ``self.dtype`` says what ``auto`` resolved to.
+    """
 
     def __init__(
         self,
