@@ -40,13 +40,17 @@ class ScheduledSeq:
 
 @dataclass(slots=True)
 class KVTransfer:
-    """Blocks to move between this instance and somewhere outside (peer, host, remote store)."""
+    """Blocks to move between this instance and somewhere outside (peer, host, remote store).
+
+    A global-store transfer names each block by its prefix hash too (``block_hashes``, one per block id):
+    the store keys blocks by hash, the instance by block id."""
 
     request_id: str
     block_ids: list[int]
     num_tokens: int
     direction: str  # "load" or "save"
     peer: str = ""
+    block_hashes: list[int] = field(default_factory=list)  # a store transfer: each block's chained hash
 
 
 @dataclass

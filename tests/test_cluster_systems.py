@@ -50,8 +50,10 @@ def test_systems_are_the_configs_their_papers_describe():
     assert system_config("banaserve-no-store", 8, split).store is None
     assert system_config("banaserve-cache-aware", 8, split).router == "cache_aware"
     assert all(c.num_gpus == 8 for c in (v, d, b))
-    with pytest.raises(ValueError, match="llumnix"):
-        system_config("llumnix", 8, split)
+    lx = system_config("llumnix", 8, split)
+    assert lx.instances == v.instances and lx.router == "llumnix" and lx.llumnix is not None
+    with pytest.raises(ValueError, match="system"):
+        system_config("orca", 8, split)
 
 
 def test_cluster_config_errors_name_the_field():

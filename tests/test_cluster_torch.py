@@ -3,6 +3,7 @@ connector, and greedy tokens equal a single instance's, token for token."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -77,7 +78,9 @@ def _check(config, weights, layouts):
 
 
 def test_pd_on_real_tensors_gives_the_single_instance_tokens():
-    config = LlamaConfig.from_spec(get_model("tiny-llama"))
+    # untied LM head: with tied embeddings a random model's greedy token mostly repeats the last input token
+    # whatever the KV holds, so the token check would not see a wrong hand-off
+    config = dataclasses.replace(LlamaConfig.from_spec(get_model("tiny-llama")), tie_word_embeddings=False)
     threads = torch.get_num_threads()
     try:
         _check(config, random_weights(config, seed=3), [["prefill", "decode"]])

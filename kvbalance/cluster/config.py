@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvbalance.cluster.adaptive import MigrationSection
 from kvbalance.cluster.core import Cluster, ClusterRun, sim_member
+from kvbalance.cluster.llumnix import LlumnixSection
+from kvbalance.cluster.request_migration import summarize_migrations
 from kvbalance.cluster.routers import ROUTERS
 from kvbalance.cluster.topology import Topology
 from kvbalance.kvcache.store import GlobalKVStore, StoreConfig
@@ -67,6 +69,7 @@ class ClusterConfig(BaseModel):
     layerwise_transfer: bool = True
     store: StoreSection | None = None
     migration: MigrationSection | None = None  # BanaServe's adaptive migration (cluster/adaptive.py)
+    llumnix: LlumnixSection | None = None  # Llumnix's request-level live migration (cluster/llumnix.py)
 
     @field_validator("router", "decode_router")
     @classmethod
@@ -86,6 +89,8 @@ class ClusterConfig(BaseModel):
         roles = {g.role for g in self.instances}
         if ("prefill" in roles) != ("decode" in roles):
             raise ValueError("instances: prefill instances need decode instances and vice versa")
+        if self.llumnix is not None and roles != {"colocated"}:
+            raise ValueError("llumnix: live migration runs between colocated instances only")
         return self
 
     @property
@@ -120,6 +125,7 @@ def build_cluster(sim: SimulateConfig, cfg: ClusterConfig, *, check_invariants: 
         store=store,
         check_invariants=check_invariants,
         migration=cfg.migration,
+        llumnix=cfg.llumnix,
     )
 
 
@@ -141,6 +147,7 @@ def run_cluster(
     insts = [m.instance for m in cluster.members]
     hot = run.hot_spot_ratio()
     store = cluster.store
+    live = summarize_migrations(cluster.llumnix.migrator.log if cluster.llumnix is not None else [])
     summary = summarize(
         requests,
         kv_capacity_tokens=sum(i.kv_capacity_tokens for i in insts),
@@ -162,9 +169,10 @@ def run_cluster(
             "store_fetched_blocks": store.fetched_blocks if store else 0,
             "store_saved_blocks": store.saved_blocks if store else 0,
             "pd_transfers": len(cluster.pd.handoffs) if cluster.pd else 0,
-            "migrations": len(run.migrations),
+            "migrations": len(run.migrations) + live["request_migrations"],  # moves of either kind
             "migration_log": run.migrations,
             "num_steps": sum(i.num_steps for i in insts),
+            **live,
         },
     )
     return ClusterResult(sim, cfg, cluster, run, summary, run.instance_rows())

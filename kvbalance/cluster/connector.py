@@ -54,7 +54,11 @@ class ClusterConnector:
             self.cluster.store.start_fetch(self.member, request, num_external_tokens)
 
     def build_connector_meta(self, plan: BatchPlan) -> None:
-        return None  # transfers are timed on the cluster's links, not inside the step
+        # transfers are timed on the cluster's links, not inside the step; a real member's saves to the
+        # store need the block tables as planned
+        store = self.cluster.store
+        if store is not None and self.role != "decode":
+            store.record_block_tables(self.member, plan)
 
     def update_connector_output(self, finished_loads: list[str], finished_saves: list[str]) -> None:
         return None

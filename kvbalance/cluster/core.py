@@ -145,6 +145,7 @@ class Cluster:
         control_interval_s: float = 0.5,
         on_tick: Callable[[Cluster, float, dict], None] | None = None,
         migration: Any = None,
+        llumnix: Any = None,
     ) -> None:
         self.members = list(members)
         if not self.members:
@@ -215,6 +216,13 @@ class Cluster:
             from kvbalance.cluster.adaptive import MigrationController
 
             self.migration = self.on_tick = MigrationController(self, migration)
+        self.llumnix = (
+            None  # ``llumnix`` (a ``LlumnixSection``): request-level live migration (cluster/llumnix.py)
+        )
+        if llumnix is not None:
+            from kvbalance.cluster.llumnix import LlumnixController
+
+            self.llumnix = LlumnixController(self, llumnix)
         for m in self.members:
             m.driver = InstanceDriver(
                 self.loop, m.instance, on_step=self._step_hook(m), on_finish=self._finish_hook(m)
@@ -271,6 +279,8 @@ class Cluster:
                     self.monitor.record_kv(gpu_name(g), min(1.0, kv))
             if self.migration is not None:
                 self.migration.on_step(m, outcome.start_s)
+            if self.llumnix is not None:
+                self.llumnix.on_step(m)
             if self.pd is not None:
                 self.pd.on_step(m, outcome)
             if self.store is not None and m.role != "decode":
@@ -338,7 +348,7 @@ class Cluster:
         if self.monitor is not None:
             self.loop.at(self.loop.now, self._tick)
         self.loop.run()
-        for conn in (self.pd, self.store):
+        for conn in (self.pd, self.store, self.llumnix):
             if conn is not None:
                 conn.check_drained()
         first = min((r.arrival_s for r in reqs), default=0.0)

@@ -10,8 +10,8 @@
   the same without migration.
 * ablations: ``banaserve-no-store`` (split + load-aware routing, local prefix caches only) and
   ``banaserve-cache-aware`` (split + store + sgl-router's cache-aware routing).
-* ``llumnix`` needs request-level live migration between colocated instances (``perf/migration.py``'s
-  ``live_migration_cost`` is there, moving a request's KV between two block pools is not): not run.
+* ``llumnix``: ``vllm``'s colocated instances (one per GPU) dispatched to the freest instance, with Llumnix's
+  request-level live migration between them (``cluster/llumnix.py``, its default thresholds).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 
 from kvbalance.cluster.adaptive import MigrationSection
 from kvbalance.cluster.config import ClusterConfig, InstanceGroup, StoreSection
+from kvbalance.cluster.llumnix import LlumnixSection
 
 SYSTEMS = (
     "vllm",
@@ -29,10 +30,9 @@ SYSTEMS = (
     "banaserve-no-migration",
     "banaserve-no-store",
     "banaserve-cache-aware",
+    "llumnix",
 )
-NOT_YET = {
-    "llumnix": "request-level live migration (moving a running request's KV between instances) is not wired in"
-}
+NOT_YET: dict[str, str] = {}
 VLLM_ROUTERS = ("round_robin", "least_loaded", "cache_aware", "kv_aware")
 
 
@@ -87,6 +87,9 @@ def system_config(
         return pd_config(p, d, tp_p, tp_d, router="load_aware")
     if system == "banaserve-cache-aware":
         return pd_config(p, d, tp_p, tp_d, router="cache_aware", store=True)
+    if system == "llumnix":
+        cfg = vllm_config(num_gpus, router or "llumnix")
+        return cfg.model_copy(update={"llumnix": LlumnixSection()})
     raise ValueError(f"system: unknown {system!r} (known: {', '.join(SYSTEMS)})")
 
 

@@ -119,7 +119,9 @@ class TorchExecutor:
     model: decode attention is memory-bound and reads half the bytes. ``torch.bfloat16`` is
     fastest on CPU (attention runs in bf16: ~2x faster at batch 64, context 512); ``float16`` is
     more precise (widened to the model dtype after each gather). ``transfer_handler``,
-    when given, is called as ``handler(executor, transfer)`` for each of the plan's KV loads/saves.
+    when given, is called as ``handler(executor, transfer)`` for each of the plan's KV loads (before the
+    forward: the step attends to them) and saves (after it: a save may name blocks the step just wrote),
+    e.g. ``executor.store_worker.StoreWorker`` for the global KV store.
     """
 
     def __init__(
@@ -177,9 +179,14 @@ class TorchExecutor:
         t0 = time.perf_counter()
         if plan.block_size != self.block_size:
             raise ValueError(f"block_size: plan uses {plan.block_size}, executor's cache {self.block_size}")
-        finished_loads, finished_saves = self._run_transfers(plan.kv_loads, plan.kv_saves)
+        if (plan.kv_loads or plan.kv_saves) and self.transfer_handler is None:
+            raise ValueError(
+                "kv_loads/kv_saves: plan has KV transfers but the executor has no transfer_handler"
+            )
+        finished_loads = self._run_transfers(plan.kv_loads)
         seqs = [s for s in plan.seqs if s.num_new_tokens > 0]
         if not seqs:
+            finished_saves = self._run_transfers(plan.kv_saves)
             dt = time.perf_counter() - t0
             breakdown = StepBreakdown(overhead_s=dt)
             return StepResult(
@@ -203,6 +210,7 @@ class TorchExecutor:
                     if lp is not None:
                         logprobs[rid] = lp
             self.last_logits, self.last_logits_request_ids = logits, sample_ids
+        finished_saves = self._run_transfers(plan.kv_saves)
         t3 = time.perf_counter()
         breakdown = StepBreakdown(compute_s=t2 - t1, overhead_s=(t1 - t0) + (t3 - t2))
         return StepResult(t3 - t0, sampled, logprobs, finished_loads, finished_saves, breakdown)
@@ -258,16 +266,10 @@ class TorchExecutor:
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, meta, sample_ids, sample_params
 
-    def _run_transfers(self, loads: Sequence[KVTransfer], saves: Sequence[KVTransfer]) -> tuple[list, list]:
-        if not loads and not saves:
-            return [], []
-        if self.transfer_handler is None:
-            raise ValueError(
-                "kv_loads/kv_saves: plan has KV transfers but the executor has no transfer_handler"
-            )
-        for t in (*loads, *saves):
+    def _run_transfers(self, transfers: Sequence[KVTransfer]) -> list[str]:
+        for t in transfers:
             self.transfer_handler(self, t)
-        return [t.request_id for t in loads], [t.request_id for t in saves]
+        return [t.request_id for t in transfers]
 
     # -- block movement (KV transfer, migration, prefix copy-on-write) ----------------------------
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:

@@ -126,6 +126,14 @@ class KVCacheManager:
         req.block_ids.extend(self.pool.allocate(need))
         return True
 
+    def reserve(self, num_blocks: int, keep_available: int = 0) -> list[int] | None:
+        """``num_blocks`` blocks for KV arriving from outside before its request does (a live migration's
+        destination), evicting unreferenced cached blocks if needed, while ``keep_available`` blocks stay
+        available; None (nothing changed) if they don't fit. The caller holds them (``release_held``)."""
+        if num_blocks + keep_available > self.num_available_blocks or not self._ensure_free(num_blocks):
+            return None
+        return self.pool.allocate(num_blocks)
+
     def max_tokens_fitting(self, req: Request) -> int:
         """Most tokens ``req`` could hold now: its blocks plus every free block (cache already evicted)."""
         return (len(req.block_ids) + self.pool.num_free) * self.block_size

@@ -2,13 +2,15 @@
 ``/v1/chat/completions`` would answer, wrapped in a Batch output line (``success_record``).
 
 Ids derive from the input line (``batch_io.record_ids``), so two runs of one job answer with the same ids;
-choices carry kvbalance's ``token_ids`` extension as the server's do.
+choices carry kvbalance's ``token_ids`` extension as the server's do, and logprobs come from the server's
+builder (``llm/logprobs.py``: each token's true bytes, every ``top_logprobs`` alternative kept).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvbalance.llm.logprobs import TokenText, chat_logprobs, completion_logprobs
 from kvbalance.offline.batch_io import CHAT_URL, BatchRequest, output_line, record_ids
 
 
@@ -31,36 +33,11 @@ class Generation:
     logprobs: list = field(default_factory=list)  # kvbalance.model.sampling token logprob records
 
 
-def _completion_logprobs(lps: list, to_text) -> dict:
-    tokens, token_lps, tops, offsets, offset = [], [], [], [], 0
-    for lp in lps:
-        s = to_text(lp.token_id)
-        tokens.append(s)
-        token_lps.append(lp.logprob)
-        tops.append({to_text(t): v for t, v in zip(lp.top_ids, lp.top_logprobs)})
-        offsets.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _chat_logprobs(lps: list, to_text) -> dict:
-    def entry(token_id: int, logprob: float) -> dict:
-        s = to_text(token_id)
-        return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
-
-    content = []
-    for lp in lps:
-        item = entry(lp.token_id, lp.logprob)
-        item["top_logprobs"] = [entry(t, v) for t, v in zip(lp.top_ids, lp.top_logprobs)]
-        content.append(item)
-    return {"content": content}
-
-
-def response_body(req: BatchRequest, gen: Generation, model: str, created: int, to_text) -> dict:
+def response_body(req: BatchRequest, gen: Generation, model: str, created: int, to_text: TokenText) -> dict:
     """The JSON ``/v1/completions`` or ``/v1/chat/completions`` would answer for this generation.
 
-    ``to_text(token_id) -> str`` renders logprob tokens. Choices carry kvbalance's ``token_ids`` extension
-    as the server's do.
+    ``to_text`` (the engine tokenizer's ``TokenText``) renders logprob tokens. Choices carry kvbalance's
+    ``token_ids`` extension as the server's do.
     """
     h = record_ids(req.index, req.custom_id)
     want_lp = req.body.num_logprobs is not None
@@ -68,7 +45,7 @@ def response_body(req: BatchRequest, gen: Generation, model: str, created: int, 
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": gen.text},
-            "logprobs": _chat_logprobs(gen.logprobs, to_text) if want_lp else None,
+            "logprobs": chat_logprobs(gen.logprobs, to_text) if want_lp else None,
             "finish_reason": gen.finish_reason,
             "token_ids": list(gen.token_ids),
         }
@@ -77,7 +54,7 @@ def response_body(req: BatchRequest, gen: Generation, model: str, created: int, 
         choice = {
             "index": 0,
             "text": gen.text,
-            "logprobs": _completion_logprobs(gen.logprobs, to_text) if want_lp else None,
+            "logprobs": completion_logprobs(gen.logprobs, to_text, 0) if want_lp else None,
             "finish_reason": gen.finish_reason,
             "token_ids": list(gen.token_ids),
         }
@@ -92,5 +69,5 @@ def response_body(req: BatchRequest, gen: Generation, model: str, created: int, 
     }
 
 
-def success_record(req: BatchRequest, gen: Generation, model: str, created: int, to_text) -> dict:
+def success_record(req: BatchRequest, gen: Generation, model: str, created: int, to_text: TokenText) -> dict:
     return output_line(req.index, req.custom_id, 200, response_body(req, gen, model, created, to_text))

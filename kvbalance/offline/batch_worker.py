@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvbalance.llm.logprobs import TokenText
 from kvbalance.offline.batch_io import (
     BatchRefusal,
     BatchRequest,
@@ -79,6 +80,7 @@ class BatchWorker:
     def __init__(self, engine, served_model: str | None = None) -> None:
         self.engine = engine.build() if isinstance(engine, EngineSpec) else engine
         self.model = served_model or self.engine.model_name
+        self._to_text = TokenText(self.engine.tokenizer)  # logprob tokens as the server renders them
 
     def info(self) -> ReplicaInfo:
         inst = self.engine.instance
@@ -131,10 +133,6 @@ class BatchWorker:
         if reason is not None:
             return refuse(f"{param}: {reason}")
         return PreparedRequest(item, ids, sampling)
-
-    def _to_text(self, token_id: int) -> str:
-        tok = self.engine.tokenizer
-        return f"token_id:{token_id}" if tok is None else tok.decode([token_id])
 
     def generate(self, prepared: list[PreparedRequest]) -> Iterator[Records]:
         """Queue ``prepared`` in order (FCFS admission follows it) and yield each step's finished records."""

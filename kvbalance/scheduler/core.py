@@ -27,9 +27,10 @@ from kvbalance.kvcache.manager import KVCacheManager
 from kvbalance.request import Request, RequestState
 from kvbalance.scheduler.base import POLICIES
 from kvbalance.scheduler.config import SchedulerConfig  # importers of kvbalance.scheduler.core keep it here
+from kvbalance.scheduler.control import RequestControl
 
 
-class Scheduler:
+class Scheduler(RequestControl):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -309,40 +310,6 @@ class Scheduler:
         self.running.remove(req)
         self.waiting.appendleft(req)
         self.num_preemptions += 1
-
-    def preempt(self, req: Request) -> None:
-        """Preempt a running request from outside (it frees its blocks and resumes later by recompute)."""
-        if req.state is not RequestState.RUNNING:
-            raise ValueError(f"req: {req.request_id} is {req.state.value}, not running")
-        self._preempt(req)
-
-    def finish_request(self, req: Request, reason: str, now: float, state=RequestState.FINISHED) -> None:
-        """End a request from outside (stop string matched, client abort)."""
-        if req.is_finished:
-            return
-        if req.state is RequestState.RUNNING:
-            self._release(req, finished=True)
-            self.running.remove(req)
-        elif req.state is RequestState.WAITING_FOR_KV:
-            # its load still writes into its blocks: keep them until the load is reported done
-            del self.loading[req.request_id]
-            self._load_target.pop(req.request_id, None)
-            self.kv.forget(req)
-            if not self._null_connector:
-                self.connector.request_finished(req, req.block_ids)
-            self._hold(req, for_load=True)
-        else:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
-            self.kv.forget(req)
-        req.state = state
-        req.finish_reason = reason
-        req.finish_s = now
-
-    def abort(self, req: Request, now: float) -> None:
-        self.finish_request(req, "abort", now, state=RequestState.ABORTED)
 
     # -- checks -----------------------------------------------------------------
     def check_invariants(self) -> None:

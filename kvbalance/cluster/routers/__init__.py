@@ -1,6 +1,6 @@
 """Routers, one class per module behind ``ROUTERS``: importing this package registers them all."""
 
-from kvbalance.cluster.routers import cache_aware, kv_aware, least_loaded, load_aware, round_robin
+from kvbalance.cluster.routers import cache_aware, kv_aware, least_loaded, llumnix, load_aware, round_robin
 from kvbalance.cluster.routers.base import ROUTERS, Router, build_router
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "cache_aware",
     "kv_aware",
     "least_loaded",
+    "llumnix",
     "load_aware",
     "round_robin",
 ]
