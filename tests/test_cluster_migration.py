@@ -139,11 +139,11 @@ class _AllToFirst(Router):
 @pytest.mark.parametrize("kind", ["layer", "attention"])
 def test_blocks_conserved_when_migration_preemption_and_abort_cross(kind):
     # one hot colocated instance with a small KV pool (preemptions), an idle one on another node (a slow
-    # copy); aborts land before, during and after the move (attention: layer_imbalance 1 makes every
-    # imbalance small, so attention-level is preferred, and min_gain 0.01 accepts its modest gain)
+    # copy); aborts land before, during and after the move (attention: memory_bound_share 0 makes the hot
+    # GPU memory-bound, so attention-level is preferred, and min_gain 0.01 accepts its modest gain)
     cfg = _cfg("uniform:500-1000:100-300", 20.0, 60, kv_tokens=12000)
     members = [sim_member(i, "colocated", (i,), cfg) for i in range(2)]
-    attn = {"layer_imbalance": 1.0, "min_gain": 0.01} if kind == "attention" else {}
+    attn = {"memory_bound_share": 0.0, "min_gain": 0.01} if kind == "attention" else {}
     mig = MigrationSection(window_s=1.0, cooldown_s=1.0, **attn)
     cluster = Cluster(members, Topology.build(cfg.gpu, 2, 1), router=_AllToFirst(), migration=mig,
                       check_invariants=True)  # fmt: skip
@@ -172,3 +172,27 @@ def test_steady_balanced_load_never_migrates():
     run = cluster.run(_requests(cfg))
     assert run.migrations == [] and cluster.monitor.history  # the controller ran, found nothing to do
     assert not cluster.migration.migrator.armed
+
+
+def test_block_pools_follow_a_layer_move_and_a_helper_short_of_blocks_refuses_it():
+    cfg = _cfg(PREFILL_HEAVY, 8.0, 50)
+    cluster = _pd(cfg, MigrationSection())
+    run = cluster.run(_requests(cfg))
+    m = run.migrations[0]
+    (n, n2), (h, h2) = m["src_pool_blocks"], m["dst_pool_blocks"]
+    src = cluster.members[0].instance
+    k, L = m["layers"][0], src.executor.cost_model.model.num_layers
+    block = src.pool.block_size * src.executor.cost_model.kv_bytes_per_token
+    weights = m["weight_bytes"]
+    assert (k, L) == (28, 32) and n2 == n * L // k  # a source block holds 28 of 32 layers: 8/7 the tokens
+    assert n2 * block * k / L <= n * block  # ... in the memory it had
+    assert (h - h2) * block >= weights + n2 * block * (L - k) / L  # the helper holds the moved layers' part
+    assert h - h2 <= 0.5 * h  # helper_kv_lend_fraction
+    assert (src.pool.num_blocks, cluster.members[1].instance.pool.num_blocks) == (n2, h2)
+    for mem in cluster.members:
+        mem.instance.pool.check_invariants()
+    # a helper that may lend nothing cannot hold the moved layers: no layer move starts
+    stingy = _pd(cfg, MigrationSection(helper_kv_lend_fraction=0.0))
+    run = stingy.run(_requests(cfg))
+    assert all(x["kind"] != "layer" for x in run.migrations)
+    assert [mm.instance.pool.num_blocks for mm in stingy.members] == [n, h]

@@ -30,8 +30,8 @@ def test_reproduce_banaserve_quick(tmp_path):
         # same requests, same rate: one overload rate and one latency rate for every system of a setting
         assert len({r["overload_rate_rps"] for r in by.values()}) == 1
         assert all(r["max_rate_at_slo_rps"] > 0 and r["hot_spot_ratio"] >= 1 for r in by.values())
-    assert {r["system"] for r in rows if "not_run" in r} == {"llumnix"}
+    assert {r["system"] for r in rows if "not_run" in r} <= {"llumnix"}
     text = (tmp_path / "README.md").read_text()
-    assert "1.2-3.9x" in text and "not integrated" in text
+    assert "1.2-3.9x" in text and "migration_share_max_rate" in text
     for png in ("slo_attainment.png", "utilization.png", "migrations.png"):
         assert (tmp_path / png).stat().st_size > 0

@@ -215,3 +215,26 @@ def test_without_the_cool_down_stale_windows_make_it_ping_pong():
     toy = ToyCluster({"a": 0.62, "b": 0.35}, noise=0.05, seed=2)
     toy.run(AdaptiveMigrator(MigrationConfig(cooldown_s=0.0)), until_s=120.0)
     assert len(toy.landed) > 20 and reversals(toy.landed) > 5
+
+
+def test_a_hot_gpu_without_a_queue_is_no_source_and_a_helper_is_never_saturated():
+    from dataclasses import replace
+
+    m = AdaptiveMigrator(MigrationConfig(), window_s=2.0)
+    moves = [cand(LAYER, "d", "p", 0.01, 0.6, 0.45)]
+    # a decode GPU 95% busy with nothing queued keeps up: busy time alone would move its work
+    busy = {"d": replace(util("d", 0.95), queue_util=0.0), "p": replace(util("p", 0.1), queue_util=0.0)}
+    d = m.decide(10.0, busy, moves)
+    assert d.action == "none" and "keeps up" in d.reason
+    # the same GPU with 1 s of queued prefill (0.5 of the window): combined 1.45, it moves
+    queued = {**busy, "d": replace(util("d", 0.95), queue_util=0.5)}
+    assert queued["d"].combined == pytest.approx(1.45)
+    assert m.decide(10.0, queued, moves).candidate == moves[0]
+    # unknown queues (None) keep the busy-time policy: the crafted imbalance still moves
+    assert AdaptiveMigrator(MigrationConfig(), window_s=2.0).decide(10.0, {"d": util("d", 0.95),
+                                                                        "p": util("p", 0.1)}, moves).candidate  # fmt: skip
+    # a move that would push its helper past 1 is not taken, however much it lowers the peak
+    over = [cand(LAYER, "d", "p", 0.01, 0.95, 1.05)]
+    assert AdaptiveMigrator(MigrationConfig(), window_s=2.0).decide(10.0, queued, over).action == "none"
+    with pytest.raises(ValueError, match="min_source_queue"):
+        MigrationConfig(min_source_queue=2.0)

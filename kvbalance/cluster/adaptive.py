@@ -9,12 +9,17 @@ the pipeline / attention-split step time (``migrated_step.py``); service never s
 instance takes part in at most one landed move (as source or helper). Every move is recorded (time,
 kind, source, destination, bytes, duration) in ``log``.
 
-Not modelled: the block pools keep their size after a layer move; the ledger (``memory``) holds what
-each GPU's KV capacity becomes (``kv_capacity_tokens``), reported per move.
+Block pools follow a layer move (``migration_memory.layer_move_blocks``): when it starts, the helper's pool
+gives up the blocks that will hold the moved weights and the moved layers' part of every source block
+(free or idle cached blocks only, at most ``helper_kv_lend_fraction`` of its pool; a layer move the helper
+cannot cover is not a candidate); when it lands, the source's pool grows, its blocks now holding ``k`` of
+``L`` layers. An attention-level move keeps both pools' sizes (the helper's ledger holds the moved heads'
+K/V; the source's blocks keep their full size). The ledger (``memory``) keeps the bytes, per move in ``log``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -22,7 +27,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvbalance.cluster.migrated_step import AttentionSplit, LayerSplit, MigratedStepModel
 from kvbalance.cluster.migration import LAYER, AdaptiveMigrator, Migration, MigrationConfig
 from kvbalance.cluster.migration_candidates import GPUState, candidates_from
-from kvbalance.cluster.migration_memory import GPUMemory, commit_move, kv_capacity_tokens, reserve_move
+from kvbalance.cluster.migration_memory import (
+    GPUMemory,
+    commit_move,
+    kv_capacity_tokens,
+    layer_move_blocks,
+    reserve_move,
+)
 from kvbalance.cluster.monitor import GPUUtilization
 
 if TYPE_CHECKING:
@@ -42,8 +53,12 @@ class MigrationSection(BaseModel):
     max_transfer_s: float = 2.0
     min_coverage: float = 1.0
     memory_bound_share: float = 0.5
+    min_source_queue: float = 0.1
     window_s: float = Field(2.0, gt=0)
     control_interval_s: float = Field(0.5, gt=0)
+    # share of a helper's KV pool a layer move may take (moved weights + moved layers' KV): the helper was
+    # picked because it is underused, not idle; keeping half lets it absorb a doubling of its own load
+    helper_kv_lend_fraction: float = Field(0.5, ge=0, le=1)
 
     @model_validator(mode="after")
     def _valid(self) -> MigrationSection:
@@ -51,7 +66,9 @@ class MigrationSection(BaseModel):
         return self
 
     def to_config(self) -> MigrationConfig:
-        return MigrationConfig(**self.model_dump(exclude={"window_s", "control_interval_s"}))
+        return MigrationConfig(
+            **self.model_dump(exclude={"window_s", "control_interval_s", "helper_kv_lend_fraction"})
+        )
 
 
 def _step_model(m: Member) -> MigratedStepModel:
@@ -78,24 +95,48 @@ class MigrationController:
         self._moved_rids: dict[str, int] = {}
         self._decode_step_s: dict[int, float] = {}  # member index -> start of its latest step with decodes
         self.window_s = section.window_s
+        self.lend_fraction = section.helper_kv_lend_fraction
+        self._s_per_token: dict[int, float] = {}  # member index -> prefill seconds per token (cost model)
+        # source member index -> (its pool size once its layer move lands, the helper's pool size before)
+        self._pool_plan: dict[int, tuple[int, int]] = {}
         for g, m in self.gpu_of.items():
             cm = m.instance.executor.cost_model
             self.memory[g] = GPUMemory(cm.gpu.mem_capacity_bytes, cm.model.weight_bytes // cm.tp)
 
     # -- the tick --------------------------------------------------------------------------------------
     def __call__(self, cluster: Cluster, now: float, snap: dict[str, GPUUtilization]) -> None:
-        utils = {g: snap[g] for g, m in self.gpu_of.items() if m.index not in self.engaged}
+        utils = {
+            g: replace(snap[g], queue_util=self._backlog_s(m) / self.window_s)
+            for g, m in self.gpu_of.items()
+            if m.index not in self.engaged
+        }
         if len(utils) < 2:
             return
         _, mig = self.migrator.step(now, utils, lambda: self._candidates(utils), on_finish=self._apply)
         if mig is None:
             return
         c = mig.candidate
+        if c.kind == LAYER and not self._lend_blocks(c):  # the helper's free blocks went meanwhile
+            self.migrator.cancel(mig, now)
+            return
         self.memory[c.dst] = reserve_move(self.memory[c.dst], c.weight_bytes, c.kv_bytes)
         self.engaged |= {self.gpu_of[c.src].index, self.gpu_of[c.dst].index}
         if c.kind != LAYER:
             self._moved_rids = dict(self._snapshot_decodes(self.gpu_of[c.src]))
         cluster.loop.at(mig.finish_s, self.migrator.advance, mig.finish_s)
+
+    def _backlog_s(self, m: Member) -> float:
+        """Seconds of prefill compute queued on ``m``: prompt tokens not yet computed (waiting requests and
+        running chunked prefills) at the cost model's per-token time of a 512-token chunk."""
+        sched = m.instance.scheduler
+        tokens = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+        tokens += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running)
+        if not tokens:
+            return 0.0
+        if m.index not in self._s_per_token:
+            cm = m.instance.executor.cost_model
+            self._s_per_token[m.index] = cm.step_seconds([(512, 512, True)]) / 512
+        return tokens * self._s_per_token[m.index]
 
     def _state(self, g: str, u: GPUUtilization) -> GPUState:
         m = self.gpu_of[g]
@@ -128,12 +169,33 @@ class MigrationController:
         helpers = [states[g] for g in sorted(states, key=lambda g: utils[g].combined)]
         topo = self.cluster.topology
         out = []
+        memo: dict = {}  # prices of the hot batch's moves, per helper hardware and link
         for h in helpers:
             if h.gpu == hot:
                 continue
             link = topo.link_between(self.gpu_of[hot].gpus, self.gpu_of[h.gpu].gpus)
-            out += candidates_from(states[hot], [h], link)
-        return out
+            out += candidates_from(states[hot], [h], link, memo)
+        return [c for c in out if c.kind != LAYER or self._pool_sizes(c) is not None]
+
+    def _pool_sizes(self, c) -> tuple[int, int] | None:
+        """(blocks the helper lends, the source's pool size after) for layer move ``c``, or None."""
+        src, dst = self.gpu_of[c.src].instance, self.gpu_of[c.dst].instance
+        block_bytes = src.pool.block_size * src.executor.cost_model.kv_bytes_per_token
+        return layer_move_blocks(
+            src.pool.num_blocks, dst.kv.num_available_blocks, dst.pool.num_blocks, block_bytes, c.weight_bytes,
+            c.layers[0], src.executor.cost_model.model.num_layers, self.lend_fraction,
+        )  # fmt: skip
+
+    def _lend_blocks(self, c) -> bool:
+        """At a layer move's start: the helper's pool gives up its blocks (False: it no longer can)."""
+        sizes = self._pool_sizes(c)
+        dst = self.gpu_of[c.dst].instance
+        before = dst.pool.num_blocks
+        if sizes is None or not dst.kv.resize(before - sizes[0]):
+            return False
+        dst.max_request_blocks = min(dst.max_request_blocks, dst.pool.num_blocks)
+        self._pool_plan[self.gpu_of[c.src].index] = (sizes[1], before)
+        return True
 
     def _snapshot_decodes(self, m: Member) -> list[tuple[str, int]]:
         model = self.models[m.index]
@@ -150,8 +212,13 @@ class MigrationController:
         link = self.cluster.topology.link_between(src.gpus, dst.gpus)
         helper_cm = dst.instance.executor.cost_model
         model = self.models[src.index]
+        pools = (src.instance.pool.num_blocks, dst.instance.pool.num_blocks)
         if c.kind == LAYER:
             model.layer = LayerSplit(helper_cm, c.layers[0], link)
+            size, dst_before = self._pool_plan.pop(src.index)
+            pools = (pools[0], dst_before)
+            if not src.instance.kv.resize(size):  # a block now holds k of L layers: the pool only grows
+                raise RuntimeError(f"{src.name}: pool resize to {size} blocks failed after a layer move")
         else:
             kv_on_gpu = max(helper_cm.model.num_kv_heads // helper_cm.tp, 1)
             model.attention = AttentionSplit(helper_cm, c.kv_heads / kv_on_gpu, link, self._moved_rids)
@@ -168,10 +235,13 @@ class MigrationController:
                 "src": src.name,
                 "dst": dst.name,
                 "bytes": c.weight_bytes + c.kv_bytes,
+                "weight_bytes": c.weight_bytes,
                 "layers": list(c.layers) if c.layers else None,
                 "kv_heads": c.kv_heads,
                 "src_kv_capacity_tokens": kv_capacity_tokens(self.memory[c.src], per_tok * frac_home),
                 "dst_kv_capacity_tokens": kv_capacity_tokens(self.memory[c.dst], per_tok),
+                "src_pool_blocks": [pools[0], src.instance.pool.num_blocks],  # before, after
+                "dst_pool_blocks": [pools[1], dst.instance.pool.num_blocks],
             }
         )
 

@@ -4,12 +4,17 @@ For a hot GPU and a helper GPU, each candidate says what the move costs (bytes, 
 lands) and the utilisations it predicts once landed: at the same step rate, a GPU's utilisation scales
 with its busy seconds per step, so ``U_src' = U_src * busy_after / step_before`` and the helper gains
 ``U_src * helper_busy / step_before``. The representative step is the hot instance's current batch.
+
+A move's price and predicted stage times depend on the helper only through its cost model (model, GPU,
+TP) and the link, not on its load: ``candidates_from`` prices each distinct (helper hardware, link) once
+(``memo``) and reuses it for every helper like it, which keeps a control tick on 8 GPUs cheap.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvbalance.cluster.migration import ATTENTION, LAYER, MigrationCandidate
 from kvbalance.cluster.migration_memory import GPUMemory
@@ -36,8 +41,24 @@ class GPUState:
     decode_tokens_per_s: float = 0.0  # tokens its running decodes add per second (all requests)
 
 
+def _priced(memo: dict | None, key: tuple, price: Callable[[], Any]) -> Any:
+    if memo is None:
+        return price()
+    if key not in memo:
+        memo[key] = price()
+    return memo[key]
+
+
+def _hw_key(cm: CostModel, link: LinkSpec | str) -> tuple:
+    return (cm.model.name, cm.gpu.name, cm.tp, cm.link.name, link if isinstance(link, str) else link.name)
+
+
 def layer_candidates(
-    src: GPUState, dst: GPUState, link: LinkSpec | str, splits: Sequence[float] = (0.125, 0.25, 0.375, 0.5)
+    src: GPUState,
+    dst: GPUState,
+    link: LinkSpec | str,
+    splits: Sequence[float] = (0.125, 0.25, 0.375, 0.5),
+    memo: dict | None = None,
 ) -> list[MigrationCandidate]:
     """Move the last ``fraction`` of the layers ``[k, L)`` from ``src`` to ``dst`` (src keeps ``[0, k)``)."""
     cm = src.cost_model
@@ -50,10 +71,17 @@ def layer_candidates(
         k = L - max(1, round(f * L))
         if not 0 < k < L or any(c.layers == (k, L) for c in out):
             continue
-        cost = layer_migration_cost(cm, (k, L), src.kv_tokens, link, src.decode_tokens_per_s)
+        key = ("layer", k, _hw_key(dst.cost_model, link))
+        cost, p = _priced(
+            memo,
+            key,
+            lambda k=k: (
+                layer_migration_cost(cm, (k, L), src.kv_tokens, link, src.decode_tokens_per_s),
+                pipeline_step(cm, dst.cost_model, list(src.batch), k, link),
+            ),
+        )
         if cost.weight_bytes + cost.kv_bytes > dst.memory.free_bytes:
             continue
-        p = pipeline_step(cm, dst.cost_model, list(src.batch), k, link)
         out.append(
             MigrationCandidate(
                 kind=LAYER,
@@ -71,7 +99,11 @@ def layer_candidates(
 
 
 def attention_candidates(
-    src: GPUState, dst: GPUState, link: LinkSpec | str, head_shares: Sequence[float] = (0.125, 0.25, 0.5)
+    src: GPUState,
+    dst: GPUState,
+    link: LinkSpec | str,
+    head_shares: Sequence[float] = (0.125, 0.25, 0.5),
+    memo: dict | None = None,
 ) -> list[MigrationCandidate]:
     """Move the K/V of ``share`` of ``src``'s KV heads (all running decodes' context) to ``dst``."""
     cm = src.cost_model
@@ -84,10 +116,17 @@ def attention_candidates(
         n = max(1, round(share * kv_on_gpu))
         if n >= kv_on_gpu or any(c.kv_heads == n for c in out):
             continue  # moving every head is a request migration, not a split
-        nbytes, seconds = attention_migration_cost(cm, n, src.kv_tokens, link)
+        key = ("attention", n, _hw_key(dst.cost_model, link))
+        (nbytes, seconds), s = _priced(
+            memo,
+            key,
+            lambda n=n: (
+                attention_migration_cost(cm, n, src.kv_tokens, link),
+                attention_split_step(cm, dst.cost_model, list(src.batch), n / kv_on_gpu, 1.0, link),
+            ),
+        )
         if nbytes > dst.memory.free_bytes:
             continue
-        s = attention_split_step(cm, dst.cost_model, list(src.batch), n / kv_on_gpu, 1.0, link)
         out.append(
             MigrationCandidate(
                 kind=ATTENTION,
@@ -104,11 +143,14 @@ def attention_candidates(
 
 
 def candidates_from(
-    hot: GPUState, helpers: Sequence[GPUState], link: LinkSpec | str
+    hot: GPUState, helpers: Sequence[GPUState], link: LinkSpec | str, memo: dict | None = None
 ) -> list[MigrationCandidate]:
-    """Every layer- and attention-level move from ``hot`` to each helper (helpers in the order given)."""
+    """Every layer- and attention-level move from ``hot`` to each helper (helpers in the order given).
+
+    ``memo``: prices already computed for ``hot``'s batch (pass one dict per hot GPU and tick)."""
     out: list[MigrationCandidate] = []
+    memo = {} if memo is None else memo
     for h in helpers:
         if h.gpu != hot.gpu:
-            out += attention_candidates(hot, h, link) + layer_candidates(hot, h, link)
+            out += attention_candidates(hot, h, link, memo=memo) + layer_candidates(hot, h, link, memo=memo)
     return out

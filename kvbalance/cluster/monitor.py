@@ -3,8 +3,11 @@
 Each step a GPU runs is recorded with its start time and its :class:`~kvbalance.batch.StepBreakdown`;
 over the window ``[now - window_s, now]`` the monitor sums the compute-bound and the memory-bound
 seconds of the steps (a step straddling the window's edge counts pro rata) and divides by the window's
-wall time. The combined utilisation is ``max(compute + memory time fraction, KV occupancy)``: a GPU is
-as loaded as its scarcer resource, its time on operators or its KV memory.
+wall time. The combined utilisation is ``max(compute + memory time fraction + queue, KV occupancy)``: a
+GPU is as loaded as its scarcer resource, its time on operators or its KV memory. ``queue_util`` (set by
+the migration controller, ``None`` when unknown) is the work queued there, in seconds of compute over the
+window: busy time saturates at 1 on any GPU that has a request (continuous batching steps back to back),
+so it cannot tell a GPU that keeps up from one that falls behind; the queue can.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class GPUUtilization:
     busy_util: float  # seconds in any step (operators, overheads, communication) / window
     kv_util: float  # latest KV occupancy reported (0 when none)
     covered_s: float  # wall time the window spans (less than window_s while warming up)
+    queue_util: float | None = None  # seconds of queued work / window (None: not measured)
 
     @property
     def time_util(self) -> float:
@@ -32,8 +36,8 @@ class GPUUtilization:
 
     @property
     def combined(self) -> float:
-        """BanaServe's U_g: the binding resource, operator time or KV memory."""
-        return max(self.time_util, self.kv_util)
+        """BanaServe's U_g: the binding resource, operator time (plus queued work) or KV memory."""
+        return max(self.time_util + (self.queue_util or 0.0), self.kv_util)
 
     @property
     def memory_share(self) -> float:
@@ -44,7 +48,7 @@ class GPUUtilization:
     @property
     def memory_bound(self) -> bool:
         """Memory is binding: memory-bound operators dominate or KV occupancy sets the combined value."""
-        return self.memory_share > 0.5 or (self.kv_util > 0 and self.kv_util >= self.time_util)
+        return self.memory_share > 0.5 or (self.kv_util > 0 and self.kv_util >= self.combined)
 
 
 @dataclass(slots=True)

@@ -16,20 +16,26 @@ import numpy as np
 def busy_fraction_series(
     starts_s: Sequence[float], durations_s: Sequence[float], t_end_s: float, window_s: float
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(window start times, busy fraction in each window) over [0, t_end_s)."""
+    """(window start times, busy fraction in each window) over [0, t_end_s), for one instance's steps.
+
+    Exact and vectorised: with the steps sorted by start (they never overlap on one instance), the busy time
+    before ``t`` is ``B(t) = (durations of the steps before the last one starting by t) + min(t - its start,
+    its duration)``; a window's busy time is ``B(end) - B(start)``."""
     if window_s <= 0:
         raise ValueError(f"window_s: must be > 0, got {window_s}")
     n = max(1, math.ceil(t_end_s / window_s))
     edges = np.arange(n + 1, dtype=np.float64) * window_s
-    busy = np.zeros(n)
     s = np.asarray(starts_s, dtype=np.float64)
-    e = s + np.asarray(durations_s, dtype=np.float64)
-    for a, b in zip(s, e):  # each step overlaps few windows
-        i = int(a // window_s)
-        while i < n and edges[i] < b:
-            busy[i] += min(b, edges[i + 1]) - max(a, edges[i])
-            i += 1
-    return edges[:-1], busy / window_s
+    d = np.asarray(durations_s, dtype=np.float64)
+    if not len(s):
+        return edges[:-1], np.zeros(n)
+    order = np.argsort(s, kind="stable")
+    s, d = s[order], d[order]
+    before = np.concatenate(([0.0], np.cumsum(d)[:-1]))  # busy time of the steps before step k
+    k = np.searchsorted(s, edges, side="right") - 1  # the last step starting at or before each edge
+    kk = np.maximum(k, 0)
+    busy_before = np.where(k >= 0, before[kk] + np.minimum(edges - s[kk], d[kk]), 0.0)
+    return edges[:-1], np.diff(busy_before) / window_s
 
 
 def busy_fraction(durations_s: Sequence[float], span_s: float) -> float:

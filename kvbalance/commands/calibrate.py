@@ -23,12 +23,22 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--totals", action="store_true", help="print each class's total only, not its token ranges"
     )
+    p.add_argument(
+        "--cv-refit",
+        action="store_true",
+        help="leave-one-model-out refits the physical curves without each held-out model (a fit per model)",
+    )
+    p.add_argument(
+        "--no-corrections",
+        action="store_true",
+        help="the physical model only: no measured correction per profiled shape in the preset",
+    )
 
 
 def run(args) -> int:
     from kvbalance.perf import profiles
     from kvbalance.perf.fit_gpu import fit_gpu
-    from kvbalance.perf.fit_report import format_errors, write_report
+    from kvbalance.perf.fit_report import format_errors, format_ways, write_report
     from kvbalance.specs import get_gpu
 
     base = get_gpu(args.gpu)
@@ -50,7 +60,14 @@ def run(args) -> int:
     if allreduce:
         used.append(f"vidur/network/{network}")
     result = fit_gpu(
-        base, ops, host, allreduce, name=args.name, source=", ".join(used) + " (microsoft/vidur, MIT)"
+        base,
+        ops,
+        host,
+        allreduce,
+        name=args.name,
+        source=", ".join(used) + " (microsoft/vidur, MIT)",
+        corrections=not args.no_corrections,
+        cv_refit=args.cv_refit,
     )
     hw = result.hardware
     hw.save(args.out)
@@ -74,7 +91,9 @@ def run(args) -> int:
     def rows(errs):
         return [e for e in errs if not args.totals or e.tokens == "all"]
 
-    print(format_errors("operator error (|pred/meas - 1|) by class and token range:", rows(result.errors)))
+    print(format_ways(result, totals=args.totals))
+    if result.correction is not None:
+        _print_check(result)
     if result.host_errors:
         print(format_errors("host overhead error by batch size:", rows(result.host_errors)))
     if result.link_errors:
@@ -84,3 +103,22 @@ def run(args) -> int:
         for path in write_report(result, args.report, plots=not args.no_plots):
             print(f"wrote {path}")
     return 0
+
+
+def _print_check(result) -> None:
+    """Issue 11's worst-case check on the leave-one-point-out errors, and the points that break it."""
+    from kvbalance.perf.fit_cv import WORST_BOUND
+
+    c = result.correction
+    print(f"measured corrections: {len(c.corrections)} profiled kernel shapes")
+    totals = [e for e in c.loo_point_errors if e.tokens == "all"]
+    bad = [e for e in totals if e.worst >= WORST_BOUND]
+    verdict = "met" if not bad else "NOT met in " + ", ".join(f"{e.op_class} ({e.worst:.1%})" for e in bad)
+    print(f"check (leave-one-point-out worst < {WORST_BOUND:.0%} per class): {verdict}")
+    fails = c.failures(result.samples)
+    for f in fails[:10]:
+        print(f"  {f['class']:<14} {f['model']:<28} {f['op']:<24} tp={f['tp']} M={f['num_tokens']:<5} "
+              f"measured {f['measured_s'] * 1e6:8.1f}us predicted {f['predicted_s'] * 1e6:8.1f}us "
+              f"({f['rel_error']:+.1%})")  # fmt: skip
+    if len(fails) > 10:
+        print(f"  ... {len(fails) - 10} more (errors.json: check_failures)")

@@ -10,6 +10,11 @@ reserve): blocks that exist but start *detached* (reference count 0, not in any 
 or leave the pool with ``attach`` / ``detach``. Base blocks are always handed out first, so lent
 blocks are used only when the base pool runs dry and reclaiming them rarely has to drain anything.
 The plain pool's hot paths are untouched.
+
+``BlockPool.resize`` changes how many blocks are usable (a layer migration changes how much KV a block
+costs on a GPU): growing adds free blocks, shrinking retires free blocks only — a block in use never
+moves — and fails, changing nothing, when too few are free. Retired ids keep reference count 0 outside
+the free list and are reused first when the pool grows again.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class BlockPool:
         self._ref = [0] * num_blocks
         # Reversed so that the first allocations get ids 0, 1, 2, ... (easier to read in tests).
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._retired: list[int] = []  # ids taken out by ``resize`` (reference count 0, not free)
 
     # -- sizes ------------------------------------------------------------------
     @property
@@ -88,12 +94,41 @@ class BlockPool:
             if r == 0:
                 free.append(b)
 
+    # -- resizing ---------------------------------------------------------------
+    def resize(self, num_blocks: int) -> None:
+        """Make ``num_blocks`` blocks usable. Shrinking takes free blocks only (the most recently freed);
+        raises ``OutOfBlocks`` (nothing changed) when fewer than ``num_blocks_now - num_blocks`` are free."""
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
+        retired = self._retired
+        diff = num_blocks - self.num_blocks
+        if diff < 0:
+            if -diff > len(self._free):
+                raise OutOfBlocks(f"resize: {-diff} blocks must leave, {len(self._free)} are free")
+            retired.extend(self._free[diff:])
+            del self._free[diff:]
+        elif diff > 0:
+            reuse = min(diff, len(retired))
+            new = list(range(self.num_total_blocks, self.num_total_blocks + diff - reuse))
+            self._ref.extend([0] * len(new))
+            self.num_total_blocks += len(new)
+            self._free.extend(retired[len(retired) - reuse :] + new)
+            del retired[len(retired) - reuse :]
+        self.num_blocks = num_blocks
+
     # -- checks -----------------------------------------------------------------
     def check_invariants(self) -> None:
         free = self._free
         if len(set(free)) != len(free):
             raise AssertionError("free list holds a block twice")
-        zero = {b for b, r in enumerate(self._ref) if r == 0}
+        retired = set(self._retired)
+        if retired & set(free) or any(self._ref[b] for b in retired):
+            raise AssertionError("a retired block is free or in use")
+        if self.num_blocks + len(retired) != self.num_total_blocks:
+            raise AssertionError(
+                f"{self.num_blocks} usable + {len(retired)} retired != {self.num_total_blocks}"
+            )
+        zero = {b for b, r in enumerate(self._ref) if r == 0} - retired
         if zero != set(free):
             raise AssertionError(
                 f"free list and zero ref counts disagree: {sorted(zero ^ set(free))[:10]} differ"
@@ -188,6 +223,9 @@ class ElasticBlockPool(BlockPool):
                 else:
                     pos[b] = len(lent)
                     lent.append(b)
+
+    def resize(self, num_blocks: int) -> None:
+        raise ValueError("resize: an elastic pool changes size by attach / detach of its elastic region")
 
     # -- lending ----------------------------------------------------------------
     def _check_elastic(self, block_ids) -> list[int]:

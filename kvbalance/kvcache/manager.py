@@ -179,6 +179,16 @@ class KVCacheManager:
             self.cache.unlock(path[0])
         self.pool.free(block_ids)
 
+    def resize(self, num_blocks: int) -> bool:
+        """Resize the pool to ``num_blocks`` (a layer migration changed what a block costs here). Shrinking
+        evicts idle cached blocks first and takes free blocks only; False (pool unchanged) if too few are
+        free once the cache is evicted: in-use KV never moves."""
+        short = self.pool.num_blocks - num_blocks
+        if short > 0 and not self._ensure_free(short):
+            return False
+        self.pool.resize(num_blocks)
+        return True
+
     def forget(self, req: Request) -> None:
         """Drop what is kept about a request that will never be scheduled again (its block hashes)."""
         self._hashes.pop(req.request_id, None)

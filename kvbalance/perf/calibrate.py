@@ -240,6 +240,8 @@ def fit_hardware(
     """Fit the ``fit`` fields of ``base`` so predicted step times match ``samples`` (least squares on log
     time ratios, Nelder-Mead in a transformed space: logit for fractions, log for positive values)."""
     m = get_model(model)
+    # measured-shape corrections belong to the operator profiles they were learnt on, not to these steps
+    base = base.with_(shape_corrections={})
     fit = tuple(fit)
     for p in fit:
         if p not in FITTABLE:

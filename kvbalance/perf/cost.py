@@ -5,15 +5,18 @@ all-reduce, kernel latencies, the engine's host time per step and the LM head fo
 Per kernel: ``time = max(flops / (peak * eff_c(M)), bytes / (bw * eff_m)) + latency``; GEMMs and attention
 use the compute curve ``eff_c(M) = compute_eff_max * M / (M + compute_half_tokens)``, element-wise kernels
 their class's :class:`~kvbalance.specs.MemoryCurve` where the preset has one (``kvbalance calibrate`` fits
-both on measured operator times).
+both on measured operator times). A kernel shape profiled on the preset's GPU is then scaled by its measured
+correction (:mod:`kvbalance.perf.correction`): ``time * exp(log_ratio(M))``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvbalance.batch import BatchPlan, StepBreakdown
+from kvbalance.perf.correction import ShapeCorrections, elementwise_key, gemm_key
 from kvbalance.perf.kernels import (  # noqa: F401  (re-exported: callers import these from perf.cost)
     ATTENTION,
     ELEMENTWISE,
@@ -136,6 +139,28 @@ class CostModel:
             curve = self.gpu.elementwise_curves.get(c)
             if curve is not None and curve.small_tokens > 0:
                 self._small[(ELEMENTWISE, c)] = (curve.small_tokens, curve.small_latency_s)
+        corr = self.gpu.shape_corrections
+        self._corr = ShapeCorrections(corr, self.kernel_keys()) if corr else None
+        if not self._corr:
+            self._corr = None
+
+    def kernel_keys(self) -> dict[str, str | None]:
+        """Each operator's kernel shape key (:mod:`kvbalance.perf.correction`); None: never profiled."""
+        dt, h, ew = self._dt, self._h, self._ew_class
+        keys: dict[str, str | None] = {n: gemm_key(k, n_, b > 0, dt) for n, (k, n_, b) in self._gemms.items()}
+        keys["lm_head"] = gemm_key(h, self._vocab_r, False, dt)
+        dims = {"embedding": (self._vocab_r, h), "norm": (h,), "final_norm": (h,), "rope": (self._q_r, self._kv_r),
+                "activation": (self._inter_r,), "residual_add": (h,)}  # fmt: skip
+        for name, d in dims.items():
+            keys[name] = elementwise_key(ew[name], d, dt)
+        # the TP degree too: the profiles time the same kernel differently at each degree (a few percent)
+        keys = {name: f"{k}:tp{self.tp}" for name, k in keys.items()}
+        keys["kv_write"] = None  # not in the profiles: it borrows the rotary curve, not its measurements
+        return keys
+
+    def correction(self, name: str, tokens: float) -> float:
+        """measured / physical time of one launch of ``name`` over ``tokens`` tokens (1: physical model)."""
+        return self._corr.factor(name, float(tokens)) if self._corr is not None else 1.0
 
     def host_overhead_s(self, num_seqs: int, num_tokens: int) -> float:
         """Overhead of a step over ``num_seqs`` sequences and ``num_tokens`` tokens outside the kernels: the
@@ -246,7 +271,14 @@ class CostModel:
     # -- predictions -------------------------------------------------------------------------------
     def op_times(self, seqs: Sequence[SeqWork]) -> dict[str, OpTime]:
         """Roofline of every operator (totals over layers), keyed by operator name."""
-        return {op.name: op_time(op, self.gpu) for op in self.op_counts(seqs)}
+        out = {}
+        for op in self.op_counts(seqs):
+            t = op_time(op, self.gpu)
+            f = self.correction(op.name, op.size_tokens)
+            if f != 1.0:
+                t = replace(t, compute_s=t.compute_s * f, memory_s=t.memory_s * f, latency_s=t.latency_s * f)
+            out[op.name] = t
+        return out
 
     def step(self, seqs: Sequence[SeqWork]) -> StepBreakdown:
         """Breakdown of a step computing ``seqs`` = [(num_new_tokens, context_len_after_step, samples)].
@@ -260,9 +292,18 @@ class CostModel:
         tokens = int(ops[0].size_tokens)  # the embedding runs over every token of the step
         compute_s = memory_s = flops = num_bytes = 0.0
         overhead_s = self.host_overhead_s(len(seqs), tokens)
-        latency, small = self._latency, self._small
+        latency, small, corr = self._latency, self._small, self._corr
+        at = corr.at(ops[0].size_tokens) if corr is not None else None  # factors at the step's token count
         for op in ops:  # op_time's arithmetic, inlined: this is the simulator's hot path
             r = op.repeat
+            if at is not None:  # a profiled shape's measured correction scales the whole kernel
+                f = (
+                    at.get(op.name)
+                    if op.size_tokens == ops[0].size_tokens
+                    else corr.factor(op.name, op.size_tokens)
+                )
+                if f is not None:
+                    r = r * f
             c = compute_time_s(op.flops, op.size_tokens, hw, op.kind)
             mem = memory_time_s(op.bytes, hw, op.kind, op.size_tokens, op.curve)
             if c > mem:
@@ -275,8 +316,8 @@ class CostModel:
                 overhead_s += path[1] * r
             else:
                 overhead_s += latency[key] * r
-            flops += op.flops * r
-            num_bytes += op.bytes * r
+            flops += op.flops * op.repeat
+            num_bytes += op.bytes * op.repeat
         return StepBreakdown(compute_s, memory_s, overhead_s, self.comm_s(tokens), 0.0, flops, num_bytes)
 
     def step_seconds(self, seqs: Sequence[SeqWork]) -> float:

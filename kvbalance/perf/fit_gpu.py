@@ -11,6 +11,9 @@ Each profiled operator is evaluated on the cost model at its own shape (M tokens
 - the element-wise small-token path, where a class has one: ``t0 + t_token * T`` at or below a threshold;
 - host time per step: ``t_fixed + t_seq * batch (+ t_tp + t_tp_seq * batch + t_rank * (tp - 1) when tp > 1)``;
 - the TP link: ring all-reduce ``2 (n - 1) / n * bytes / bw + latency``.
+
+Then, per profiled kernel shape, the measured correction ``log(measured / physical)`` over M
+(:mod:`kvbalance.perf.correction`), scored by cross-validation (:mod:`kvbalance.perf.fit_cv`).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvbalance.perf.cost import CostModel, OpCount, op_time
+from kvbalance.perf.cost import OpCount, op_time
+from kvbalance.perf.fit_cv import CorrectionFit, fit_corrections, sample_models
 from kvbalance.perf.fit_errors import (  # noqa: F401  (re-exported: the report and tests import them here)
     BATCH_RANGES,
     BYTE_RANGES,
@@ -32,18 +36,17 @@ from kvbalance.perf.fit_errors import (  # noqa: F401  (re-exported: the report 
     op_class,
     operator_errors,
 )
+from kvbalance.perf.fit_host import (  # noqa: F401  (re-exported: tests import them here)
+    HOST_PARAMS,
+    allreduce_predict,
+    fit_host,
+    fit_link,
+)
 from kvbalance.perf.kernels import wave_rows
 from kvbalance.perf.profiles import AllReduceSample, HostSample, OperatorSample
-from kvbalance.specs import ELEMENTWISE_CLASSES, HardwareSpec, LinkSpec, MemoryCurve
+from kvbalance.specs import ELEMENTWISE_CLASSES, HardwareSpec, MemoryCurve
 
 GEMM_PARAMS = ("compute_eff_max", "compute_half_tokens", "memory_eff_max", "kernel_latency_s")
-HOST_PARAMS = (
-    "step_overhead_s",
-    "host_overhead_per_seq_s",
-    "host_overhead_tp_s",
-    "host_overhead_tp_per_seq_s",
-    "host_overhead_per_tp_rank_s",
-)
 # Small-token path of an element-wise class: thresholds tried (tokens), distinct token counts the line needs
 # at or below them, and the cut in squared log error it must bring to be kept.
 SMALL_PATH_MAX_TOKENS = 64
@@ -63,15 +66,7 @@ class _Kernels:
 
 def kernel_counts(samples: Sequence[OperatorSample], hw: HardwareSpec) -> list[OpCount]:
     """The cost model's count of every sample's operator at the sample's shape and TP degree."""
-    models: dict[tuple, CostModel] = {}
-    out = []
-    for s in samples:
-        key = (s.shape, s.tp)
-        cm = models.get(key)
-        if cm is None:
-            cm = models[key] = CostModel(s.shape.model_spec(), hw, s.tp)
-        out.append(cm.kernel(s.op, s.num_tokens))
-    return out
+    return [cm.kernel(s.op, s.num_tokens) for s, cm in zip(samples, sample_models(samples, hw))]
 
 
 def _kernels(counts: Sequence[OpCount], samples: Sequence[OperatorSample]) -> _Kernels:
@@ -237,66 +232,44 @@ def fit_elementwise(samples: Sequence[OperatorSample], hw: HardwareSpec) -> dict
     return curves
 
 
-def fit_host(samples: Sequence[HostSample]) -> dict[str, float]:
-    """Host time per step: fixed + per sequence, and when tp > 1: + TP fixed + TP per sequence + per extra
-    worker (``HardwareSpec.host_overhead_s``)."""
-    if len(samples) < len(HOST_PARAMS):
-        raise ValueError(
-            f"samples: need at least {len(HOST_PARAMS)} host-overhead samples, got {len(samples)}"
-        )
-    b = np.array([s.batch_size for s in samples], dtype=float)
-    tp = np.array([s.tp for s in samples], dtype=float)
-    multi = (tp > 1).astype(float)
-    t = np.array([s.time_s for s in samples])
-
-    def predict(x: np.ndarray) -> np.ndarray:
-        return x[0] + x[1] * b + multi * (x[2] + x[3] * b) + x[4] * (tp - 1)
-
-    x = fit_log_least_squares(
-        predict, t, (1e-3, 5e-5, 2e-3, 5e-5, 5e-4), (1e-6, 0, 0, 0, 0), (1, 1e-2, 1, 1e-2, 1e-1)
-    )
-    return dict(zip(HOST_PARAMS, (float(v) for v in x)))
-
-
-def allreduce_predict(samples: Sequence[AllReduceSample], link: LinkSpec) -> np.ndarray:
-    n = np.array([s.num_workers for s in samples], dtype=float)
-    size = np.array([s.size_bytes for s in samples], dtype=float)
-    return 2.0 * (n - 1) / n * size / link.bandwidth_bytes_s + link.latency_s
-
-
-def fit_link(samples: Sequence[AllReduceSample], base: LinkSpec, name: str) -> LinkSpec:
-    """The TP link's latency and bandwidth from ring all-reduce times."""
-    if len(samples) < 2:
-        raise ValueError(f"samples: need at least 2 all-reduce samples, got {len(samples)}")
-    t = np.array([s.time_s for s in samples])
-
-    def predict(x: np.ndarray) -> np.ndarray:
-        return allreduce_predict(samples, LinkSpec("fit", x[0], x[1]))
-
-    x = fit_log_least_squares(predict, t, (base.bandwidth_bytes_s, 1e-5), (1e8, 0), (1e13, 1e-2))
-    datasheet = base.note.split("; latency and bandwidth fitted")[
-        0
-    ]  # a re-fit starts from the datasheet note
-    note = f"{datasheet}; latency and bandwidth fitted on {len(samples)} NCCL all-reduce times ({samples[0].topology})"
-    return LinkSpec(name, float(x[0]), float(x[1]), note)
-
-
 # -- the fit and its errors --------------------------------------------------------------------------
 
 
 @dataclass
 class FitResult:
     hardware: HardwareSpec
-    predicted_s: np.ndarray  # per operator sample, the fitted preset's prediction
+    predicted_s: (
+        np.ndarray
+    )  # per operator sample, the fitted preset's prediction (corrected where it has any)
     samples: list[OperatorSample] = field(repr=False)
-    errors: list[ClassError]
+    errors: list[ClassError]  # the physical model on its training points
     host_errors: list[ClassError]
     link_errors: list[ClassError]
+    physical_s: np.ndarray = field(default=None, repr=False)  # per sample, the physical model's prediction
+    correction: CorrectionFit | None = None  # the measured-shape corrections and their cross-validation
 
 
-def predict_operator_samples(samples: Sequence[OperatorSample], hw: HardwareSpec) -> np.ndarray:
-    """The cost model's time of each profiled operator on ``hw`` (the scalar path :func:`op_time`)."""
-    return np.array([op_time(c, hw).time_s for c in kernel_counts(samples, hw)])
+def predict_operator_samples(
+    samples: Sequence[OperatorSample], hw: HardwareSpec, physical: bool = False
+) -> np.ndarray:
+    """The cost model's time of each profiled operator on ``hw`` (the scalar path :func:`op_time`, times the
+    shape's measured correction where ``hw`` has one, unless ``physical``)."""
+    cms = sample_models(samples, hw)
+    return np.array(
+        [
+            op_time(cm.kernel(s.op, s.num_tokens), hw).time_s
+            * (1.0 if physical else cm.correction(s.op, s.num_tokens))
+            for s, cm in zip(samples, cms)
+        ]
+    )
+
+
+def fit_physical(base: HardwareSpec, ops: Sequence[OperatorSample]) -> HardwareSpec:
+    """``base`` with its GEMM curve and element-wise curves fitted on ``ops`` (the physical model)."""
+    hw = base.with_(
+        memory_half_bytes=0.0, per_layer_overhead_s=0.0, elementwise_curves={}, **fit_gemm(ops, base)
+    )
+    return hw.with_(elementwise_curves=fit_elementwise(ops, hw))
 
 
 def fit_gpu(
@@ -306,15 +279,17 @@ def fit_gpu(
     allreduce: Sequence[AllReduceSample] = (),
     name: str | None = None,
     source: str = "",
+    corrections: bool = True,
+    cv_refit: bool = False,
 ) -> FitResult:
     """Fit ``base``'s efficiency curves on ``ops`` (and its host overhead on ``host``, its TP link on
-    ``allreduce`` where given); peaks, bandwidth and capacity stay ``base``'s datasheet values."""
+    ``allreduce`` where given), then (``corrections``) each profiled shape's measured correction; peaks,
+    bandwidth and capacity stay ``base``'s datasheet values. ``cv_refit``: the leave-one-model-out score refits
+    the physical curves without each held-out model (one more fit per model)."""
     if not ops:
         raise ValueError("samples: no operator samples to fit")
-    hw = base.with_(
-        memory_half_bytes=0.0, per_layer_overhead_s=0.0, elementwise_curves={}, **fit_gemm(ops, base)
-    )
-    hw = hw.with_(elementwise_curves=fit_elementwise(ops, hw))
+    base = base.with_(shape_corrections={})
+    hw = fit_physical(base, ops)
     if host:
         hw = hw.with_(**fit_host(host))
     if allreduce:
@@ -322,6 +297,7 @@ def fit_gpu(
         hw = hw.with_(tp_link=fit_link(allreduce, hw.tp_link, link_name))
     pred = predict_operator_samples(ops, hw)
     errors = operator_errors(ops, pred)
+    corr = fit_corrections(ops, pred, hw, fit_physical if cv_refit else None) if corrections else None
     gemm = next(e for e in errors if e.op_class == "gemm" and e.tokens == "all")
     note = (
         f"{base.name}: datasheet peaks ({base.source.split('.')[0]}); efficiency curves and kernel latency"
@@ -331,8 +307,11 @@ def fit_gpu(
         f"{f', {len(allreduce)} all-reduces' if allreduce else ''} ({source or 'given samples'}); GEMM error "
         f"median {gemm.median:.1%}, worst {gemm.worst:.1%}. Attention is not in the data: "
         f"attention_eff_ratio={hw.attention_eff_ratio} is not fitted."
+        f"{_correction_note(corr)}"
     )
-    hw = hw.with_(name=name or base.name, source=note)
+    hw = hw.with_(
+        name=name or base.name, source=note, shape_corrections=corr.corrections if corr is not None else {}
+    )
     host_err = []
     if host:
         hp = np.array([hw.host_overhead_s(s.batch_size, s.batch_size, s.tp) for s in host])
@@ -345,4 +324,15 @@ def fit_gpu(
         link_err = error_rows([f"all-reduce x{s.num_workers}" for s in allreduce],
                                np.array([s.size_bytes for s in allreduce]), allreduce_predict(allreduce, hw.tp_link), am,
                                BYTE_RANGES)  # fmt: skip
-    return FitResult(hw, pred, list(ops), errors, host_err, link_err)
+    final = corr.corrected_s if corr is not None else pred
+    return FitResult(hw, final, list(ops), errors, host_err, link_err, pred, corr)
+
+
+def _correction_note(corr: CorrectionFit | None) -> str:
+    if corr is None:
+        return ""
+    worst = max((e for e in corr.loo_point_errors if e.tokens == "all"), key=lambda e: e.worst)
+    return (
+        f" Measured corrections for {len(corr.corrections)} profiled kernel shapes (piecewise-linear in log M);"
+        f" leave-one-point-out worst error {worst.worst:.1%} ({worst.op_class})."
+    )
