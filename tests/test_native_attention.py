@@ -63,3 +63,47 @@ def test_long_contexts_with_peaked_scores_rescale_the_running_softmax():
     # SDPA itself is 5e-5 from it; the kernel ~2e-5)
     ref = _reference(q.double(), k.double(), v.double(), table, ctx, scale)
     torch.testing.assert_close(out.double(), ref, atol=3e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group, head_dim, block_size", [(3, 64, 64), (1, 32, 8), (4, 128, 32)])
+def test_bfloat16_cache_is_widened_exactly(group, head_dim, block_size):
+    """A bf16 cache is read as the float32 values it holds: the output equals the float32 kernel's over
+    the widened cache up to float32 summation order (head dims of 32k sum even and odd elements in
+    separate lanes), and matches a float64 reference within float32 rounding."""
+    g = torch.Generator().manual_seed(2)
+    kvh, num_blocks = 2, 48
+    k = torch.randn(kvh, num_blocks, block_size, head_dim, generator=g).bfloat16()
+    v = torch.randn(kvh, num_blocks, block_size, head_dim, generator=g).bfloat16()
+    ctx = torch.tensor([1, block_size - 1, block_size + 3, 4 * block_size, 7 * block_size - 5])
+    max_blocks = int((ctx.max() + block_size - 1) // block_size)
+    table = torch.randperm(num_blocks, generator=g)[: len(ctx) * max_blocks].view(len(ctx), max_blocks)
+    q = torch.randn(len(ctx), kvh, group, head_dim, generator=g)
+    scale = head_dim**-0.5
+    out = native.paged_decode_attention(q, k, v, table, ctx, scale)
+    assert out.dtype == torch.float32
+    widened = native.paged_decode_attention(q, k.float(), v.float(), table, ctx, scale)
+    torch.testing.assert_close(out, widened, atol=2e-6, rtol=1e-5)
+    ref = _reference(q.double(), k.double(), v.double(), table, ctx, scale)
+    torch.testing.assert_close(out.double(), ref, atol=3e-5, rtol=1e-4)
+    # bf16 queries (a bf16 model): widened in, the float32 result rounded once on the way out
+    out16 = native.paged_decode_attention(q.bfloat16(), k, v, table, ctx, scale)
+    assert out16.dtype == torch.bfloat16
+    expected = native.paged_decode_attention(q.bfloat16().float(), k, v, table, ctx, scale).bfloat16()
+    assert torch.equal(out16, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_write_kv_equals_index_copy_from_strided_rows(dtype):
+    g = torch.Generator().manual_seed(3)
+    kvh, num_blocks, block_size, hd, t = 3, 10, 16, 64, 7
+    fused = torch.randn(t, 2 * kvh + 5, hd, generator=g).to(dtype)  # K and V are views into one buffer
+    k, v = fused[:, 1 : 1 + kvh], fused[:, 1 + kvh : 1 + 2 * kvh]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    kc, vc = (torch.zeros(kvh, num_blocks, block_size, hd, dtype=dtype) for _ in range(2))
+    assert native.can_write_kv(k, v, kc)
+    native.write_kv(k, v, kc, vc, slots)
+    ref_k, ref_v = (torch.zeros(kvh, num_blocks * block_size, hd, dtype=dtype) for _ in range(2))
+    ref_k.index_copy_(1, slots, k.transpose(0, 1))
+    ref_v.index_copy_(1, slots, v.transpose(0, 1))
+    assert torch.equal(kc.view_as(ref_k), ref_k) and torch.equal(vc.view_as(ref_v), ref_v)
+    assert not native.can_write_kv(k.float() if dtype == torch.bfloat16 else k.bfloat16(), v, kc)

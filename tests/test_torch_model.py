@@ -368,18 +368,19 @@ def test_mkl_packed_linear_equals_the_plain_matmul(rows):
     x = torch.randn(rows, 96, generator=g)
     with torch.inference_mode():
         plain = layer(x)
-        layer.mkl_packed = llama._pack(layer.weight)
+        layer.packed_weight = llama._pack(layer.weight)
+        layer.packed_version = llama._version(layer.weight)
         packed = llama.linear(x, layer)
     torch.testing.assert_close(packed, plain, atol=1e-4, rtol=1e-5)
 
 
-def test_float32_cpu_executor_packs_its_weights():
+def test_cpu_executor_packs_its_weights():
     ex = TorchExecutor(TINY, random_weights(TINY, seed=0), num_blocks=8, block_size=BLOCK)
     assert ex.packed_weights == llama._can_pack(torch.zeros(1))
     ex16 = TorchExecutor(
         TINY, random_weights(TINY, seed=0), num_blocks=8, block_size=BLOCK, dtype=torch.bfloat16
     )
-    assert not ex16.packed_weights
+    assert ex16.packed_weights == llama.native_bf16_matmul()  # oneDNN's blocked bf16 layout
 
 
 @pytest.mark.skipif(not llama._can_pack(torch.zeros(1)), reason="no MKL in this torch build")
@@ -388,7 +389,7 @@ def test_weights_overwritten_in_place_are_packed_again():
     layer = torch.nn.Linear(32, 48, bias=False)
     x = torch.randn(5, 32, generator=g)
     with torch.inference_mode():
-        layer.mkl_packed, layer.mkl_packed_version = llama._pack(layer.weight), layer.weight._version
+        layer.packed_weight, layer.packed_version = llama._pack(layer.weight), layer.weight._version
     with torch.no_grad():
         layer.weight.copy_(torch.randn(48, 32, generator=g))  # e.g. weights migrated in from another executor
     with torch.inference_mode():

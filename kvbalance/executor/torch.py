@@ -22,9 +22,10 @@ from kvbalance.model.llama import (
     LlamaModel,
     attention_dtype,
     build_step_metadata,
+    native_bf16_matmul,
     rope_inv_freq,
 )
-from kvbalance.model.sampling import SampleRequest, sample
+from kvbalance.model.sampling import SAMPLING_EPS, SampleRequest, sample
 from kvbalance.model.weights import hf_to_native, is_hf_state_dict
 
 
@@ -35,6 +36,58 @@ def as_llama_config(config) -> LlamaConfig:
     if isinstance(config, dict):
         return LlamaConfig.from_hf_config(config)
     return LlamaConfig.from_spec(config)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def native_dtypes(device: torch.device | str) -> list[torch.dtype]:
+    """Dtypes ``device`` computes matmuls in natively, preferred first.
+
+    CPU: bfloat16 where oneDNN has native bf16 dot products (AVX512-BF16, AMX), and float32 (float16
+    matmuls on CPUs without AMX-FP16 are converted, not native). CUDA: bfloat16 where supported,
+    float16, float32.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        bf16 = [torch.bfloat16] if torch.cuda.is_bf16_supported() else []
+        return [*bf16, torch.float16, torch.float32]
+    return (
+        [torch.bfloat16, torch.float32] if device.type == "cpu" and native_bf16_matmul() else [torch.float32]
+    )
+
+
+def resolve_dtype(dtype: str, config: LlamaConfig, device: torch.device | str) -> torch.dtype:
+    """The model dtype for an engine's ``dtype`` argument (``auto``, ``float32``, ``bfloat16``, ``float16``).
+
+    ``auto`` follows vLLM's rule (``ModelConfig`` ``_resolve_auto_dtype``): the checkpoint's
+    ``torch_dtype``, with float32 (or unknown) checkpoints downcast to the device's preferred dtype;
+    a dtype the device does not compute natively falls back to the preferred one. On a CPU with
+    AVX512-BF16/AMX that is bfloat16 (SmolLM2-135M: 2.2x the fp32 GEMM rate, half the KV bytes),
+    elsewhere float32. An explicit dtype is taken as given.
+    """
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    native = native_dtypes(device)
+    wanted = DTYPES.get(config.dtype or "float32", torch.float32)
+    if wanted == torch.float32 or wanted not in native:
+        return native[0]
+    return wanted
+
+
+def _sample(logits: torch.Tensor, params: list[SampleRequest], generator: torch.Generator):
+    """:func:`sample`, with a fast path for a step whose rows are all plain greedy (no logprobs, bias or
+    penalties): numpy's argmax on the CPU (vectorised: ~0.7 ms for 64 x 49k logits on one thread,
+    torch's ~11 ms). Both return the first index of the maximum, so the tokens are the same."""
+    plain = logits.device.type == "cpu" and all(
+        p.temperature < SAMPLING_EPS and p.logprobs is None and not p.adjusts_logits for p in params
+    )
+    if not plain:
+        return sample(logits, params, generator)
+    return logits.numpy().argmax(axis=-1).tolist(), [None] * len(params)
 
 
 def build_model(
@@ -98,7 +151,7 @@ class TorchExecutor:
         self.transfer_handler = transfer_handler
         with torch.inference_mode():
             self.model = build_model(self.config, weights, self.device, dtype)
-            self.packed_weights = self.model.pack_weights_for_cpu()  # float32 CPU: MKL-packed GEMM weights
+            self.packed_weights = self.model.pack_weights_for_cpu()  # CPU: MKL / oneDNN packed GEMM weights
             c = self.config
             # head-major per layer (see ``Attention``); the block helpers speak [blocks, block_size, kvh, hd]
             self.kv_cache = torch.zeros(
@@ -151,7 +204,7 @@ class TorchExecutor:
             t2 = time.perf_counter()
             sampled, logprobs = {}, {}
             if logits is not None:
-                tokens, lps = sample(logits, sample_params, self.generator)
+                tokens, lps = _sample(logits, sample_params, self.generator)
                 for rid, tok, lp in zip(sample_ids, tokens, lps):
                     sampled[rid] = tok
                     if lp is not None:
@@ -196,6 +249,9 @@ class TorchExecutor:
                         output_token_ids=req.output_token_ids if penalised else (),
                     )
                 )
+        top = max((max(t) for t in tables if len(t)), default=0)
+        if top >= self.num_blocks or min((min(t) for t in tables if len(t)), default=0) < 0:
+            raise ValueError(f"block_ids: a block table names a block outside [0, {self.num_blocks})")
         attn = self.model.layers[0].attn
         meta = build_step_metadata(
             starts,

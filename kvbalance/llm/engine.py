@@ -15,6 +15,10 @@ from kvbalance.engine import InstanceConfig, build_instance
 from kvbalance.llm.text import Detokenizer, emit_delta, find_stop
 from kvbalance.request import Request, SamplingParams
 
+# Model dtypes (vLLM's ``dtype`` engine argument): ``auto`` is the checkpoint's dtype, float32 ones
+# downcast to bfloat16 where the CPU has native bf16 dot products (see ``executor.torch.resolve_dtype``).
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
 
 @dataclass
 class RequestOutput:
@@ -30,7 +34,14 @@ class RequestOutput:
 
 
 class LLMEngine:
-    """Continuous-batching engine over a real model (CPU or CUDA)."""
+    """Continuous-batching engine over a real model (CPU or CUDA).
+
+    ``dtype`` (vLLM's engine argument): ``"auto"`` (default) takes the checkpoint's dtype, float32
+    checkpoints downcast to bfloat16, where the device computes bf16 natively (here: AVX512-BF16/AMX,
+    oneDNN); otherwise float32. ``"float32"`` is token-identical to transformers' float32 model;
+    ``"bfloat16"`` computes as transformers' bf16 does (not bit-identical: see tests/test_bf16.py).
+    The KV cache takes the model's dtype. ``self.dtype`` says what ``auto`` resolved to.
+    """
 
     def __init__(
         self,
@@ -43,14 +54,12 @@ class LLMEngine:
         policy: str = "sarathi",
         enable_prefix_caching: bool = True,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: str = "auto",
         num_threads: int | None = None,
         seed: int = 0,
         max_model_len: int | None = None,
     ) -> None:
-        import torch
-
-        from kvbalance.executor.torch import TorchExecutor
+        from kvbalance.executor.torch import TorchExecutor, resolve_dtype
         from kvbalance.model.weights import load_model
 
         if block_size is None:
@@ -59,13 +68,11 @@ class LLMEngine:
             block_size = 64 if str(device).startswith("cpu") else 16
         if kv_cache_tokens < block_size:
             raise ValueError(f"kv_cache_tokens: must be >= block_size ({block_size}), got {kv_cache_tokens}")
-        try:
-            torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
-                dtype
-            ]
-        except KeyError:
-            raise ValueError(f"dtype: must be float32, float16 or bfloat16, got {dtype!r}") from None
+        if dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
         loaded = load_model(model, seed=seed)
+        torch_dtype = resolve_dtype(dtype, loaded.config, device)
+        self.dtype = str(torch_dtype).removeprefix("torch.")  # what ``auto`` resolved to
         self.model_name = model
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer

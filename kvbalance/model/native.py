@@ -17,8 +17,9 @@ previous kernel.
 It is compiled with the system C compiler on first use for each shape (~2 CPU seconds, cached by
 source hash in ``$KVBALANCE_CACHE`` or ``~/.cache/kvbalance``) and loaded with ctypes; where no
 compiler is available (it needs GCC >= 12 or Clang for ``__builtin_shufflevector``), or
-``KVBALANCE_NATIVE=0``, callers fall back to the PyTorch path. float32 only; the head dim must be a
-multiple of 16.
+``KVBALANCE_NATIVE=0``, callers fall back to the PyTorch path. The cache is float32 or bfloat16 (a
+bf16 cache is widened to float32 in registers as it is read: half the bytes, the same float32
+arithmetic); the head dim must be a multiple of 16.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* compiled per shape: -DGROUP=<query heads per KV head> -DNVEC=<head_dim / 16> */
+/* compiled per shape: -DGROUP=<query heads per KV head> -DNVEC=<head_dim / 16>, -DKV_BF16=<0 | 1> (cache
+   dtype), -DIO_BF16=<0 | 1> (queries and output) */
 #define D (16 * NVEC)
 #define MAX_BS 256
 
@@ -50,6 +52,43 @@ typedef float h4 __attribute__((vector_size(16)));
 static inline vf load(const float *p) { return *(const vf *)p; }
 static inline void store(float *p, vf x) { *(vf *)p = x; }
 static inline vf splat(float x) { return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+/* a bf16 is the top half of a float32: widening is a zero-extend and a shift; narrowing rounds to
+   nearest even (as torch's .to(torch.bfloat16)), NaN kept a quiet NaN */
+typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+static inline vf load_bf16(const uint16_t *p) {
+    vu w = __builtin_convertvector(*(const vh *)p, vu) << 16;
+    vf x;
+    memcpy(&x, &w, sizeof x);
+    return x;
+}
+static inline void store_bf16(uint16_t *p, vf x) {
+    vu b;
+    memcpy(&b, &x, sizeof b);
+    vu r = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+    vi nan = x != x;
+    r = (vu)((nan & (vi)((b >> 16) | 0x40u)) | (~nan & (vi)r));
+    vh h = __builtin_convertvector(r, vh);
+    memcpy(p, &h, sizeof h);
+}
+
+#if KV_BF16
+typedef uint16_t kv_t;
+static inline vf load_kv(const kv_t *p) { return load_bf16(p); }
+#else
+typedef float kv_t;
+static inline vf load_kv(const kv_t *p) { return load(p); }
+#endif
+#if IO_BF16
+typedef uint16_t io_t;
+static inline vf load_io(const io_t *p) { return load_bf16(p); }
+static inline void store_io(io_t *p, vf x) { store_bf16(p, x); }
+#else
+typedef float io_t;
+static inline vf load_io(const io_t *p) { return load(p); }
+static inline void store_io(io_t *p, vf x) { store(p, x); }
+#endif
 
 static inline vf vmax(vf a, vf b) {
     vi a_bigger = a > b;
@@ -108,25 +147,67 @@ static inline vf vexp(vf x) {
     return p * two_n;
 }
 
+/* A cache row's D values as NVEC vectors, in "row order". PAIRED (a bf16 cache, D a multiple of 32):
+   vector 2c holds the even elements of the row's c-th 32-value chunk and 2c + 1 the odd ones, so
+   widening is one 64-byte load, a shift and a mask (no shuffles); queries and accumulators are kept
+   in the same order (to_row_order / from_row_order, once per sequence and head). */
+#define PAIRED (KV_BF16 && NVEC % 2 == 0)
+static inline void load_row(const kv_t *p, vf *r) {
+#if PAIRED
+    for (int c = 0; c < NVEC / 2; c++) {
+        vu w, e, o;
+        memcpy(&w, p + 32 * c, sizeof w);
+        e = w << 16;
+        o = w & 0xFFFF0000u;
+        memcpy(&r[2 * c], &e, sizeof e);
+        memcpy(&r[2 * c + 1], &o, sizeof o);
+    }
+#else
+    for (int j = 0; j < NVEC; j++) r[j] = load_kv(p + 16 * j);
+#endif
+}
+static inline void to_row_order(const float *x, vf *r) {
+#if PAIRED
+    for (int c = 0; c < NVEC / 2; c++)
+        for (int i = 0; i < 16; i++) {
+            r[2 * c][i] = x[32 * c + 2 * i];
+            r[2 * c + 1][i] = x[32 * c + 2 * i + 1];
+        }
+#else
+    for (int j = 0; j < NVEC; j++) r[j] = load(x + 16 * j);
+#endif
+}
+static inline void from_row_order(const vf *r, float *x) {
+#if PAIRED
+    for (int c = 0; c < NVEC / 2; c++)
+        for (int i = 0; i < 16; i++) {
+            x[32 * c + 2 * i] = r[2 * c][i];
+            x[32 * c + 2 * i + 1] = r[2 * c + 1][i];
+        }
+#else
+    for (int j = 0; j < NVEC; j++) store(x + 16 * j, r[j]);
+#endif
+}
+
 /* One (sequence, KV head): the GROUP queries qh [GROUP, D] against the sequence's n_ctx keys, whose
    blocks tab[] lists; k, v point at this head's [NB, BS, D] cache. */
-static void attend_head(const float *restrict qh, const float *restrict k, const float *restrict v,
-                        const int64_t *restrict tab, int64_t n_ctx, int64_t BS, float scale, float *restrict oh) {
+static void attend_head(const io_t *restrict qh, const kv_t *restrict k, const kv_t *restrict v,
+                        const int64_t *restrict tab, int64_t n_ctx, int64_t BS, float scale, io_t *restrict oh) {
     vf q[GROUP][NVEC], acc[GROUP][NVEC];
     float m[GROUP], l[GROUP];
     float s[GROUP][MAX_BS + 16] __attribute__((aligned(64))); /* this block's scores, then weights */
+    float row[D] __attribute__((aligned(64)));
     for (int g = 0; g < GROUP; g++) {
-        for (int j = 0; j < NVEC; j++) {
-            q[g][j] = load(qh + g * D + 16 * j) * splat(scale);
-            acc[g][j] = splat(0.0f);
-        }
+        for (int j = 0; j < NVEC; j++) store(row + 16 * j, load_io(qh + g * D + 16 * j) * splat(scale));
+        to_row_order(row, q[g]);
+        for (int j = 0; j < NVEC; j++) acc[g][j] = splat(0.0f);
         m[g] = -3.0e38f;
         l[g] = 0.0f;
     }
-    const int64_t n_blocks = (n_ctx + BS - 1) / BS, row_bytes = D * (int64_t)sizeof(float);
+    const int64_t n_blocks = (n_ctx + BS - 1) / BS, row_bytes = D * (int64_t)sizeof(kv_t);
     for (int64_t blk = 0; blk < n_blocks; blk++) {
         const int64_t n = n_ctx - blk * BS < BS ? n_ctx - blk * BS : BS;
-        const float *kb = k + tab[blk] * BS * D, *vb = v + tab[blk] * BS * D;
+        const kv_t *kb = k + tab[blk] * BS * D, *vb = v + tab[blk] * BS * D;
         const int64_t next = tab[blk + 1 < n_blocks ? blk + 1 : blk] * BS * D;
         const char *nk = (const char *)(k + next), *nv = (const char *)(v + next);
         /* scores, 16 keys at a time; prefetch the next block's K row by row meanwhile */
@@ -134,10 +215,10 @@ static void attend_head(const float *restrict qh, const float *restrict k, const
         for (; t + 16 <= n; t += 16) {
             vf part[GROUP][16];
             for (int u = 0; u < 16; u++) {
-                const float *kt = kb + (t + u) * D;
+                const kv_t *kt = kb + (t + u) * D;
                 for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(nk + (t + u) * row_bytes + off, 0, 1);
                 vf kr[NVEC];
-                for (int j = 0; j < NVEC; j++) kr[j] = load(kt + 16 * j);
+                load_row(kt, kr);
                 for (int g = 0; g < GROUP; g++) {
                     vf a = q[g][0] * kr[0];
                     for (int j = 1; j < NVEC; j++) a += q[g][j] * kr[j];
@@ -147,10 +228,11 @@ static void attend_head(const float *restrict qh, const float *restrict k, const
             for (int g = 0; g < GROUP; g++) store(s[g] + t, reduce16(part[g]));
         }
         for (; t < n; t++) {
-            const float *kt = kb + t * D;
+            vf kr[NVEC];
+            load_row(kb + t * D, kr);
             for (int g = 0; g < GROUP; g++) {
-                vf a = q[g][0] * load(kt);
-                for (int j = 1; j < NVEC; j++) a += q[g][j] * load(kt + 16 * j);
+                vf a = q[g][0] * kr[0];
+                for (int j = 1; j < NVEC; j++) a += q[g][j] * kr[j];
                 s[g][t] = hsum(a);
             }
         }
@@ -174,10 +256,10 @@ static void attend_head(const float *restrict qh, const float *restrict k, const
         }
         /* weighted values; prefetch the next block's V row by row meanwhile */
         for (int64_t i = 0; i < n; i++) {
-            const float *vt = vb + i * D;
+            const kv_t *vt = vb + i * D;
             for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(nv + i * row_bytes + off, 0, 1);
             vf vr[NVEC];
-            for (int j = 0; j < NVEC; j++) vr[j] = load(vt + 16 * j);
+            load_row(vt, vr);
             for (int g = 0; g < GROUP; g++) {
                 const vf p = splat(s[g][i]);
                 for (int j = 0; j < NVEC; j++) acc[g][j] += p * vr[j];
@@ -186,19 +268,33 @@ static void attend_head(const float *restrict qh, const float *restrict k, const
     }
     for (int g = 0; g < GROUP; g++) {
         const vf inv = splat(1.0f / l[g]);
-        for (int j = 0; j < NVEC; j++) store(oh + g * D + 16 * j, acc[g][j] * inv);
+        for (int j = 0; j < NVEC; j++) acc[g][j] *= inv;
+        from_row_order(acc[g], row);
+        for (int j = 0; j < NVEC; j++) store_io(oh + g * D + 16 * j, load(row + 16 * j));
     }
 }
 
 /* q, out: [B, KVH, GROUP, D]; k, v: [KVH, NB, BS, D]; table: [B, MAXB]; ctx: [B] (tokens with KV). */
-void paged_decode_attention(const float *restrict q, const float *restrict k, const float *restrict v,
-                            const int64_t *restrict table, const int64_t *restrict ctx, float *restrict out,
+void paged_decode_attention(const io_t *restrict q, const kv_t *restrict k, const kv_t *restrict v,
+                            const int64_t *restrict table, const int64_t *restrict ctx, io_t *restrict out,
                             int64_t B, int64_t KVH, int64_t NB, int64_t BS, int64_t MAXB, float scale, int nthreads) {
     #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < KVH; h++)
             attend_head(q + (b * KVH + h) * GROUP * D, k + h * NB * BS * D, v + h * NB * BS * D, table + b * MAXB,
                         ctx[b], BS, scale, out + (b * KVH + h) * GROUP * D);
+}
+
+/* The step's new keys and values into their cache slots: kn, vn [T, KVH, D] with row strides (in
+   elements; heads contiguous within a row); kc, vc [KVH, NSLOTS, D]; slots [T]. */
+void write_kv(const kv_t *restrict kn, int64_t k_stride, const kv_t *restrict vn, int64_t v_stride,
+              kv_t *restrict kc, kv_t *restrict vc, const int64_t *restrict slots, int64_t T, int64_t KVH,
+              int64_t NSLOTS) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < KVH; h++) {
+            memcpy(kc + (h * NSLOTS + slots[t]) * D, kn + t * k_stride + h * D, D * sizeof(kv_t));
+            memcpy(vc + (h * NSLOTS + slots[t]) * D, vn + t * v_stride + h * D, D * sizeof(kv_t));
+        }
 }
 """
 
@@ -215,7 +311,8 @@ _FLAGS = [
     "-shared",
 ]
 _lock = threading.Lock()
-_libs: dict[tuple[int, int], ctypes.CDLL | None] = {}
+_libs: dict[tuple[int, int, bool, bool], ctypes.CDLL | None] = {}
+KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _cache_dir() -> Path:
@@ -223,13 +320,15 @@ def _cache_dir() -> Path:
     return Path(base) / "native"
 
 
-def _build(group: int, head_dim: int) -> ctypes.CDLL | None:
+def _build(group: int, head_dim: int, kv_bf16: bool, io_bf16: bool) -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
-    flags = [*_FLAGS, f"-DGROUP={group}", f"-DNVEC={head_dim // 16}"]
+    types = [f"-DKV_BF16={int(kv_bf16)}", f"-DIO_BF16={int(io_bf16)}"]
+    flags = [*_FLAGS, f"-DGROUP={group}", f"-DNVEC={head_dim // 16}", *types]
     tag = hashlib.sha256((_SOURCE + " ".join(flags) + cc).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"paged_attention_g{group}_d{head_dim}_{tag}.so"
+    kind = "".join("b" if x else "f" for x in (kv_bf16, io_bf16))
+    out = _cache_dir() / f"paged_attention_g{group}_d{head_dim}_{kind}_{tag}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -245,18 +344,28 @@ def _build(group: int, head_dim: int) -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr] * 6 + [i64] * 5 + [ctypes.c_float, ctypes.c_int]
     fn.restype = None
+    lib.write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
+    lib.write_kv.restype = None
     return lib
 
 
-def native_library(group: int = 1, head_dim: int = 64) -> ctypes.CDLL | None:
-    """The kernel compiled for this (GQA group, head dim), or None where it is disabled or cannot be built."""
-    key = (int(group), int(head_dim))
+def native_library(
+    group: int = 1,
+    head_dim: int = 64,
+    kv_dtype: torch.dtype = torch.float32,
+    io_dtype: torch.dtype = torch.float32,
+) -> ctypes.CDLL | None:
+    """The kernel compiled for this (GQA group, head dim, cache dtype, query/output dtype), or None where
+    it is disabled or cannot be built."""
+    if kv_dtype not in KV_DTYPES or io_dtype not in KV_DTYPES:
+        return None
+    key = (int(group), int(head_dim), kv_dtype == torch.bfloat16, io_dtype == torch.bfloat16)
     if key in _libs:
         return _libs[key]
     with _lock:
         if key not in _libs:
             lib = None
-            if os.environ.get("KVBALANCE_NATIVE", "1") != "0" and _supported_shape(*key):
+            if os.environ.get("KVBALANCE_NATIVE", "1") != "0" and _supported_shape(*key[:2]):
                 try:
                     lib = _build(*key)
                 except OSError:
@@ -273,12 +382,12 @@ def can_use(q: torch.Tensor, k_cache: torch.Tensor, group: int) -> bool:
     kvh, _, bs, hd = k_cache.shape
     return (
         q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and k_cache.dtype == torch.float32
+        and q.dtype in KV_DTYPES
+        and k_cache.dtype in KV_DTYPES
         and k_cache.is_contiguous()
         and bs <= MAX_BLOCK_SIZE
         and _supported_shape(group, hd)
-        and native_library(group, hd) is not None
+        and native_library(group, hd, k_cache.dtype, q.dtype) is not None
     )
 
 
@@ -290,13 +399,18 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """``q`` [B, kv_heads, group, head_dim] -> attention output of the same shape.
+    """``q`` [B, kv_heads, group, head_dim] -> attention output of the same shape and dtype.
 
-    ``k_cache``/``v_cache`` are head-major ``[kv_heads, num_blocks, block_size, head_dim]``;
-    ``block_table`` [B, max_blocks] int64; ``context_lens`` [B] int64 (keys each query attends, >= 1).
+    ``k_cache``/``v_cache`` are head-major ``[kv_heads, num_blocks, block_size, head_dim]``, float32 or
+    bfloat16 (widened to float32 as they are read); ``block_table`` [B, max_blocks] int64;
+    ``context_lens`` [B] int64 (keys each query attends, >= 1). Queries, scores, softmax and the
+    weighted sum are float32 whatever the dtypes; a bfloat16 ``q`` gets a bfloat16 output (rounded to
+    nearest even once, at the end).
     """
     b, kvh, g, d = q.shape
-    lib = native_library(g, d)
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"v_cache: dtype {v_cache.dtype} differs from k_cache's {k_cache.dtype}")
+    lib = native_library(g, d, k_cache.dtype, q.dtype)
     assert lib is not None
     q = q.contiguous()
     table = block_table.contiguous()
@@ -319,3 +433,38 @@ def paged_decode_attention(
         torch.get_num_threads(),
     )
     return out
+
+
+def can_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether :func:`write_kv` takes these: CPU, new K/V already in the cache's dtype, heads contiguous."""
+    kvh, _, _, hd = k_cache.shape
+    return (
+        k.device.type == "cpu"
+        and k.dtype == v.dtype == k_cache.dtype
+        and k.stride()[1:] == v.stride()[1:] == (hd, 1)
+        and k_cache.is_contiguous()
+        and native_library(1, hd, k_cache.dtype) is not None
+    )
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """``k``/``v`` [T, kv_heads, head_dim] into cache slots ``slots`` [T] (block * block_size + offset)
+    of head-major ``[kv_heads, num_blocks, block_size, head_dim]`` caches: one C loop of row copies in
+    place of two ``index_copy_`` calls (each ~0.2 ms for a 64-token step)."""
+    kvh, nb, bs, hd = k_cache.shape
+    lib = native_library(1, hd, k_cache.dtype)
+    slots = slots.contiguous()
+    lib.write_kv(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        k.shape[0],
+        kvh,
+        nb * bs,
+    )
