@@ -38,7 +38,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--chunk-size", type=int, default=512)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    from kvbalance.llm.engine import DTYPE_CHOICES  # light: no torch at import
+
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights and KV (auto: the checkpoint's, float32 downcast to bfloat16 where the CPU has native bf16)")  # fmt: skip
     p.add_argument("--threads", type=int, default=None)
 
 

@@ -270,7 +270,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, positional_input: bool
     add("--max-model-len", type=int, default=None, help="context cap (None: model's)")
     add("--num-threads", type=int, default=None, help="torch threads per replica")
     add("--device", default="cpu", help="torch device of each replica")
-    add("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weights")
+    from kvbalance.llm.engine import DTYPE_CHOICES  # light: no torch at import
+
+    add("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and KV (auto: as LLMEngine)")
     add("--seed", type=int, default=0, help="random-weight seed for model presets")
     add("--no-progress", action="store_true", help="no progress bar")
 
