@@ -35,10 +35,15 @@ def add_parser(sub) -> None:
         help="at shutdown, how long requests in flight may finish before they end with an error",
     )
     p.add_argument("--kv-tokens", type=int, default=65_536)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--chunk-size", type=int, default=2048)
+    from kvbalance.llm.engine import (  # light: no torch at import
+        DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        DEFAULT_MAX_NUM_SEQS,
+        DTYPE_CHOICES,
+    )
+
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--chunk-size", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
     p.add_argument("--device", default="cpu")
-    from kvbalance.llm.engine import DTYPE_CHOICES  # light: no torch at import
 
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weights and KV (auto: the checkpoint's, float32 downcast to bfloat16 where the CPU has native bf16)")  # fmt: skip

@@ -18,6 +18,9 @@ from kvbalance.request import Request, SamplingParams
 # Model dtypes (vLLM's ``dtype`` engine argument): ``auto`` is the checkpoint's dtype, float32 ones
 # downcast to bfloat16 where the CPU has native bf16 dot products (see ``executor.torch.resolve_dtype``).
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+# Step budgets, chosen by measurement on the CPU (see ``LLMEngine``); the CLI commands mirror them.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 @dataclass
@@ -57,8 +60,8 @@ class LLMEngine:
         *,
         kv_cache_tokens: int = 65_536,
         block_size: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         policy: str = "sarathi",
         enable_prefix_caching: bool = True,
         device: str = "cpu",

@@ -265,12 +265,18 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, positional_input: bool
     add("--ray-address", default=None, help="an existing Ray cluster (None: start one here)")
     add("--num-cpus", type=int, default=None, help="CPUs for a local Ray (None: all)")
     add("--kv-cache-tokens", type=int, default=65_536, help="KV cache size per replica")
-    add("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    add("--max-num-seqs", type=int, default=256, help="running requests per replica")
+    from kvbalance.llm.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, DTYPE_CHOICES
+
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="token budget per step",
+    )
+    add("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, help="running requests per replica")
     add("--max-model-len", type=int, default=None, help="context cap (None: model's)")
     add("--num-threads", type=int, default=None, help="torch threads per replica")
     add("--device", default="cpu", help="torch device of each replica")
-    from kvbalance.llm.engine import DTYPE_CHOICES  # light: no torch at import
 
     add("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and KV (auto: as LLMEngine)")
     add("--seed", type=int, default=0, help="random-weight seed for model presets")
