@@ -47,11 +47,12 @@ class LLMEngine:
 
     ``max_num_batched_tokens`` / ``max_num_seqs`` default to 2,048 / 256 (vLLM's CPU default is
     4,096 / 256), chosen by measurement at bf16 on one thread (``benchmarks/bench_real_engine.py``,
-    64 ShareGPT-length requests, output tokens per CPU second, loaded 2-core machine): prefill-heavy
-    draw 166 at 512 / 64, 172 at 2,048 / 256; decode-heavy draw 193 at 512 / 64, 246 at 2,048 / 256.
-    Bigger chunks feed bigger GEMMs and fewer, larger SDPA calls (8k prefill tokens: 11.5 CPU-s
-    in 512-token steps, 9.3 in 2,048), and decodes no longer share a 512-token step with a prefill
-    chunk; 4,096 / 256 measured no better than 2,048 (see the benchmark's results file).
+    64 ShareGPT-length requests, output tokens per CPU second, shared 2-core machine at load 4-5):
+    prefill-heavy draw (``first``) 166 at 512 / 64, 172 and 170 at 2,048 / 256 (two runs), 177 at
+    4,096 / 256; decode-heavy draw (``random:1``) 193, 246 and 280, 260. Bigger chunks feed bigger
+    GEMMs and fewer SDPA calls (8k prefill tokens: 11.5 CPU-s in 512-token steps, 9.3 in 2,048) and
+    let a prompt's prefill finish in fewer mixed steps; 4,096 is no better than 2,048 within the
+    noise (+-4% either way) and doubles the step's activation memory.
     """
 
     def __init__(
