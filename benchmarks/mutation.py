@@ -71,6 +71,8 @@ PATHS = {
 EXCLUDED = {
     "kvbalance.perf.fit_gpu.": "the GPU fitter: its tests (tests/test_calibrate.py) take ~50 s per run",
     "kvbalance.perf.fit_report.": "report and plot writer of the fitter, tested only through tests/test_calibrate.py",
+    "kvbalance.perf.fit_cv.": "the fitter's cross-validation (refits per held-out point/model): tests/test_calibrate.py, ~50 s",
+    "kvbalance.perf.fit_host.": "the fitter's host-time and link fits, run inside the GPU fit: tests/test_calibrate.py",
 }
 
 # mutmut's exit codes (mutmut/stats.py), folded into the columns printed here
