@@ -38,6 +38,18 @@ def make_request(rid: str, prompt, max_tokens: int = 8, arrival_s: float = 0.0) 
     return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matrices: thread hand-offs cost more than they save (and the CI box is shared). Modules that use
+    torch opt in with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def echo_executor():
     return EchoExecutor()

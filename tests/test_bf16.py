@@ -43,12 +43,7 @@ TINY_D64 = LlamaConfig(**{**TINY.to_dict(), "name": "tiny-d64", "head_dim": 64, 
 needs_bf16 = pytest.mark.skipif(not llama.native_bf16_matmul(), reason="CPU without native bf16 dot products")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_auto_dtype_follows_vllm(monkeypatch):

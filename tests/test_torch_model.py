@@ -58,13 +58,7 @@ TINY_LLAMA3 = LlamaConfig(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: thread hand-offs cost more than they save (and the CI box is shared)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def hf_model_for(config: LlamaConfig, state_dict: dict) -> torch.nn.Module:
