@@ -262,6 +262,18 @@ def forget_plain_copies() -> None:
                 copy.unlink()
 
 
+def sync_package_data() -> None:
+    """Copy the package's data files (e.g. the fitted presets, ``perf/fits/*.json``) into mutants/: mutmut
+    copies them once and never refreshes them, so tests would read stale presets after a refit."""
+    import shutil
+
+    for source in (ROOT / "kvbalance").rglob("*"):
+        if source.is_file() and source.suffix not in (".py", ".pyc"):
+            copy = MUTANTS / source.relative_to(ROOT)
+            if copy.parent.is_dir() and (not copy.exists() or copy.read_bytes() != source.read_bytes()):
+                shutil.copy2(source, copy)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["run", "summary", "survivors", "rerun-survivors"])
@@ -276,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         # generate the mutants and collect test stats (mutmut stops there: the name matches nothing), then
         # test only what is not already killed in the merged results
         forget_plain_copies()
+        sync_package_data()
         subprocess.run(
             [*MUTMUT, "run", "kvbalance.generate-only.*"], cwd=ROOT, capture_output=True, check=False
         )
