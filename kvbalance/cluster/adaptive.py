@@ -40,20 +40,24 @@ if TYPE_CHECKING:
     from kvbalance.cluster.core import Cluster, Member
 
 
+_DEFAULTS = MigrationConfig()
+
+
 class MigrationSection(BaseModel):
     """The ``migration:`` section: ``MigrationConfig``'s thresholds plus the monitor's window and tick."""
 
     model_config = ConfigDict(extra="forbid")
 
-    start_imbalance: float = 0.25
-    stop_imbalance: float = 0.10
-    layer_imbalance: float = 0.50
-    min_gain: float = 0.05
-    cooldown_s: float = 4.0
-    max_transfer_s: float = 2.0
-    min_coverage: float = 1.0
-    memory_bound_share: float = 0.5
-    min_source_queue: float = 0.1
+    # the thresholds' defaults (and why each) live in MigrationConfig, the one source
+    start_imbalance: float = _DEFAULTS.start_imbalance
+    stop_imbalance: float = _DEFAULTS.stop_imbalance
+    layer_imbalance: float = _DEFAULTS.layer_imbalance
+    min_gain: float = _DEFAULTS.min_gain
+    cooldown_s: float = _DEFAULTS.cooldown_s
+    max_transfer_s: float = _DEFAULTS.max_transfer_s
+    min_coverage: float = _DEFAULTS.min_coverage
+    memory_bound_share: float = _DEFAULTS.memory_bound_share
+    min_source_queue: float = _DEFAULTS.min_source_queue
     window_s: float = Field(2.0, gt=0)
     control_interval_s: float = Field(0.5, gt=0)
     # share of a helper's KV pool a layer move may take (moved weights + moved layers' KV): the helper was
