@@ -19,11 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbalance.model import native
+from kvbalance.model import fused, native
+from kvbalance.model.packed import _can_pack, _pack, _packed_linear, _version, linear
+from kvbalance.model.packed import native_bf16_matmul as native_bf16_matmul  # re-exported
 
 LLAMA_LIKE_ARCHS = ("llama", "qwen2", "mistral", "smollm", "smollm2")
-GATHER_BUDGET_BYTES = 4 << 20
-PACK_ROWS_HINT = 64  # rows MKL tunes its packed weight layout for (a decode batch)  # CPU decode: gathered K+V per attention call, sized to stay in cache
+GATHER_BUDGET_BYTES = 4 << 20  # CPU decode: gathered K+V per attention call, sized to stay in cache
 
 
 @dataclass
@@ -255,7 +256,7 @@ class StepMetadata:
     groups: list[AttnGroup]
     query_start_loc: np.ndarray  # [B + 1] cumulative new-token counts (host side, for inspection)
     context_lens: np.ndarray  # [B] tokens whose KV exists after the step
-    cos: torch.Tensor | None = None  # [T, head_dim / 2], filled by the model
+    cos: torch.Tensor | None = None  # [T, head_dim / 2], filled by the model: float32 for the fused bf16 path
     sin: torch.Tensor | None = None
 
 
@@ -375,63 +376,6 @@ def build_step_metadata(
 # -- layers ---------------------------------------------------------------------------------------
 
 
-def _can_pack(w: torch.Tensor) -> bool:
-    if w.device.type != "cpu":
-        return False
-    if w.dtype == torch.float32:
-        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-    return w.dtype == torch.bfloat16 and native_bf16_matmul()
-
-
-def native_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX, through oneDNN)."""
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    )
-
-
-def _pack(w: torch.Tensor) -> torch.Tensor:
-    # The packed layouts (MKL's for float32, oneDNN's blocked one for bfloat16) depend on the weight's
-    # shape only (the row count is a hint): one copy serves every batch size, and results equal the
-    # unpacked GEMM's.
-    if w.dtype == torch.float32:
-        return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
-    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
-
-
-def _packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    if weight.dtype == torch.float32:
-        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.numel() // x.shape[-1])
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def _version(w: torch.Tensor) -> int | None:
-    return None if w.is_inference() else w._version  # inference tensors keep no version counter
-
-
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """``layer(x)``, through pre-packed weights where :meth:`LlamaModel.pack_weights_for_cpu` made them.
-
-    float32: MKL's packed GEMM; a decode step's few rows reach ~110 GFLOP/s with the plain weight on
-    this CPU and ~140 packed (the weight panels are laid out once instead of at every call).
-    bfloat16: oneDNN's AMX matmul (bf16 products, float32 accumulation, one rounding of the output),
-    ~250-330 GFLOP/s on one thread at 64 rows with the weight pre-blocked, ~190-250 without. A weight
-    changed in place since it was packed (its version counter moved) is packed again.
-    """
-    packed = getattr(layer, "packed_weight", None)
-    if packed is None:
-        return layer(x)
-    version = _version(layer.weight)
-    if version != getattr(layer, "packed_version", None):
-        packed = layer.packed_weight = _pack(layer.weight)
-        layer.packed_version = version
-    return _packed_linear(x, packed, layer.weight, layer.bias)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -439,9 +383,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel (float32 statistics and scaling whatever the dtype). For bfloat16 it rounds
-        # once, after the weight; HF's LlamaRMSNorm rounds the normalised x, then the product (ulp-level
-        # differences, and 10x fewer passes over the activations).
+        # float32 statistics and scaling whatever the dtype. For bfloat16 it rounds once, after the weight;
+        # HF's LlamaRMSNorm rounds the normalised x, then the product (ulp-level differences, and 10x
+        # fewer passes over the activations). bf16 on the CPU: the same maths in one C pass (fused.py).
+        if x.dim() == 2 and self.weight.dtype == x.dtype and fused.supports(x):
+            return fused.rms_norm(x, self.weight, self.eps)
         if x.dtype in (torch.float32, torch.bfloat16):
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()
@@ -480,13 +426,17 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        qk, v = linear(x, self.qkv).split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        t, kvh, hd = x.shape[0], self.num_kv_heads, self.head_dim
+        qkv = linear(x, self.qkv)
         # q and k heads sit side by side in the fused output: one RoPE over both
-        qk = apply_rope(qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), meta.cos, meta.sin)
-        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        kvh, hd = self.num_kv_heads, self.head_dim
+        if meta.cos.dtype == torch.float32 and fused.supports(qkv):  # bf16: in place, float32 tables
+            fused.rope_(qkv, meta.cos, meta.sin, self.num_heads + kvh, hd)
+            q, k, v = qkv.view(t, -1, hd).split((self.num_heads, kvh, kvh), dim=1)
+        else:
+            qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+            qk = apply_rope(qk.view(t, self.num_heads + kvh, hd), meta.cos, meta.sin)
+            q, k = qk.split((self.num_heads, kvh), dim=1)
+            v = v.view(t, kvh, hd)
         kv_dtype = self.k_cache.dtype  # may be narrower than the model's (halves the bytes attention reads)
         if native.can_write_kv(k, v, self.k_cache):
             native.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
@@ -591,7 +541,10 @@ class MLP(nn.Module):
         self.down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.gate_up).split(self.intermediate, dim=-1)
+        gate_up = linear(x, self.gate_up)
+        if fused.supports(gate_up):  # bf16 on the CPU: one pass, [T, 2I] -> [T, I]
+            return linear(fused.silu_and_mul(gate_up), self.down)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return linear(F.silu(gate) * up, self.down)
 
 
@@ -630,11 +583,33 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for the flattened step (positions come from ``meta``)."""
+        fast = fused.supports(self.embed.weight)
         freqs = meta.positions.float()[:, None] * self.inv_freq.float()[None, :]
-        meta.cos, meta.sin = freqs.cos().to(self.embed.weight.dtype), freqs.sin().to(self.embed.weight.dtype)
+        dtype = torch.float32 if fast else self.embed.weight.dtype  # the fused RoPE's tables are float32
+        meta.cos, meta.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
         h = self.embed(input_ids)
+        if fast:
+            return self._forward_fused(h, meta)
         for layer in self.layers:
             h = layer(h, meta)
+        return h
+
+    def _forward_fused(self, h: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """The layers with each residual add fused into the RMSNorm after it (vLLM's ``fused_add_rms_norm``;
+        bf16 on the CPU): ``h`` is the residual stream, updated in place, ``x`` the normed input of the
+        next block (one buffer, reused: each block has read it before the next norm writes it). The
+        adds round as torch's bf16 adds, so ``h`` is bit-identical to :class:`DecoderLayer`'s."""
+        layers = self.layers
+        x = fused.rms_norm(h, layers[0].input_norm.weight, layers[0].input_norm.eps)
+        for i, layer in enumerate(layers):
+            norm = layer.post_attn_norm
+            x = fused.add_rms_norm(h, layer.attn(x, meta), norm.weight, norm.eps, out=x)
+            mlp_out = layer.mlp(x)
+            if i + 1 == len(layers):
+                h.add_(mlp_out)  # the final norm runs in compute_logits, on the rows that sample
+            else:
+                norm = layers[i + 1].input_norm
+                x = fused.add_rms_norm(h, mlp_out, norm.weight, norm.eps, out=x)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

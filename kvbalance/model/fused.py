@@ -1,0 +1,366 @@
+"""Fused element-wise CPU kernels for the bfloat16 model: RMSNorm (plain, and fused with the residual
+add), SiLU-and-mul and RoPE, each one pass over its rows in C.
+
+PyTorch runs each of these as several passes over bf16 activations (its bf16 RMSNorm alone is ~8 ops:
+widen, square, mean, rsqrt, two products, narrow, copies; RoPE ~10), and at decode sizes a step pays
+~600 such small ops in dispatch and memory passes. vLLM fuses the same ops (``fused_add_rms_norm``,
+``silu_and_mul``, ``rotary_embedding``); these are this project's versions for bf16 tensors on the
+CPU. Arithmetic is float32 inside (bf16 widened exactly), rounded to bf16 to nearest even as torch does:
+
+- :func:`add_rms_norm`: ``h += delta`` in place (rounded once, bit-identical to torch's bf16 add), then
+  ``normed = h * rsqrt(mean(h^2) + eps) * weight`` from the rounded ``h``, rounded once (torch's bf16
+  ``F.rms_norm`` does the same float32 maths; only the order of the sum of squares differs, so results
+  are within one bf16 ulp). :func:`rms_norm` is the same row function without the add, so the fused and
+  the unfused orders give identical bits.
+- :func:`silu_and_mul`: ``silu(gate) * up`` over the fused gate/up rows ``[T, 2I] -> [T, I]``, with
+  silu rounded to bf16 before the product as torch's bf16 ``F.silu(gate) * up`` rounds it (a
+  polynomial exp, ~3e-7 relative, instead of torch's: equal to torch but for rare ties, within 1 ulp).
+- :func:`rope_`: rotate-half RoPE (HF layout) in place over the leading heads of each row (the q and k
+  heads of the fused QKV output), with float32 cos/sin tables: the float32 maths of
+  :func:`kvbalance.model.llama.apply_rope` in the same op order, rounded once (bit-identical to it on
+  widened inputs; more accurate than bf16 tables, which round cos, sin and each product).
+
+The library is compiled on first use (:mod:`kvbalance.model.cbuild`); where it is unavailable (no
+compiler, ``KVBALANCE_NATIVE=0``) :func:`library` is None and the model runs its PyTorch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from kvbalance.model import cbuild
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any alignment */
+typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t vu __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t vh __attribute__((vector_size(32), aligned(2)));
+#define W 16
+
+static inline vf splat(float x) { return (vf){0} + x; }
+static inline vf as_vf(vu u) { vf x; memcpy(&x, &u, sizeof x); return x; }
+static inline vu as_vu(vf x) { vu u; memcpy(&u, &x, sizeof u); return u; }
+
+/* the float32 bits of x rounded to nearest even at bf16 precision (low half zero); NaN -> 0x7FC0 */
+static inline vu round_bits(vf x) {
+    vu b = as_vu(x), nan = (vu)(x != x);
+    vu r = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+    return (nan & 0x7FC00000u) | (~nan & r);
+}
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* GCC lowers the generic 16 x u16 <-> 16 x u32 conversions to five shuffles each: one instruction here */
+static inline vf ld(const bf16 *p) { /* widen: a bf16 is the top half of a float32 */
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+static inline void st(bf16 *p, vf x) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16((__m512i)(round_bits(x) >> 16)));
+}
+static inline vf madd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#else
+static inline vf ld(const bf16 *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return as_vf(__builtin_convertvector(h, vu) << 16);
+}
+static inline void st(bf16 *p, vf x) {
+    vh h = __builtin_convertvector(round_bits(x) >> 16, vh);
+    memcpy(p, &h, sizeof h);
+}
+static inline vf madd(vf a, vf b, vf c) { return a * b + c; }
+#endif
+static inline vf ldf(const float *p) { return *(const vf *)p; }
+static inline vf vmax(vf a, vf b) {
+    vi m = a > b;
+    return as_vf(((vu)m & as_vu(a)) | (~(vu)m & as_vu(b)));
+}
+static inline vf vmin(vf a, vf b) {
+    vi m = a < b;
+    return as_vf(((vu)m & as_vu(a)) | (~(vu)m & as_vu(b)));
+}
+static inline float hsum(vf x) {
+    for (int w = W / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; i++) x[i] += x[i + w];
+    return x[0];
+}
+
+/* a row's tail of n < W elements, through a zero-padded buffer (so the tail runs the vector code) */
+static inline vf ld_tail(const bf16 *p, int64_t n) {
+    bf16 b[W] = {0};
+    memcpy(b, p, n * sizeof *p);
+    return ld(b);
+}
+static inline vf ldf_tail(const float *p, int64_t n) {
+    float b[W] = {0};
+    memcpy(b, p, n * sizeof *p);
+    return ldf(b);
+}
+static inline void st_tail(bf16 *p, vf x, int64_t n) {
+    bf16 b[W];
+    st(b, x);
+    memcpy(p, b, n * sizeof *p);
+}
+#define LD(p, n) ((n) >= W ? ld(p) : ld_tail(p, n))
+#define LDF(p, n) ((n) >= W ? ldf(p) : ldf_tail(p, n))
+#define ST(p, x, n) ((n) >= W ? st(p, x) : st_tail(p, x, n))
+
+/* Each kernel's body works on one chunk of n <= W elements; the loops call it with n = W (the checks
+   fold away) and once more for a row's tail. */
+#define FOR_CHUNKS(i, n, body)                                                                                \
+    do {                                                                                                     \
+        int64_t i = 0;                                                                                       \
+        for (; i + W <= (n); i += W) { const int64_t c_ = W; body; }                                       \
+        if (i < (n)) { const int64_t c_ = (n) - i; body; }                                                 \
+    } while (0)
+
+/* -- RMSNorm: out = x * rsqrt(mean(x^2) + eps) * w, float32 inside, one rounding -- */
+static inline void norm_row(const bf16 *x, const bf16 *w, bf16 *out, int64_t n, float eps) {
+    vf a0 = splat(0.0f), a1 = splat(0.0f);
+    int64_t i = 0;
+    for (; i + 2 * W <= n; i += 2 * W) {
+        vf u = ld(x + i), v = ld(x + i + W);
+        a0 += u * u;
+        a1 += v * v;
+    }
+    for (; i < n; i += W) {
+        vf u = LD(x + i, n - i);
+        a0 += u * u;
+    }
+    const float r = 1.0f / sqrtf(hsum(a0 + a1) / (float)n + eps);
+    FOR_CHUNKS(j, n, ST(out + j, LD(x + j, c_) * r * LD(w + j, c_), c_));
+}
+
+void rms_norm(const bf16 *x, int64_t xs, const bf16 *w, bf16 *out, int64_t os, int64_t T, int64_t N,
+              float eps, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T > 1)
+    for (int64_t t = 0; t < T; t++) norm_row(x + t * xs, w, out + t * os, N, eps);
+}
+
+/* h = h + d (rounded, as torch's bf16 add), then out = RMSNorm(h) from the rounded h */
+void add_rms_norm(bf16 *h, int64_t hs, const bf16 *d, int64_t ds, const bf16 *w, bf16 *out, int64_t os,
+                  int64_t T, int64_t N, float eps, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        bf16 *hr = h + t * hs;
+        const bf16 *dr = d + t * ds;
+        FOR_CHUNKS(i, N, ST(hr + i, LD(hr + i, c_) + LD(dr + i, c_), c_));
+        norm_row(hr, w, out + t * os, N, eps);
+    }
+}
+
+/* -- SiLU-and-mul: silu(g) = g / (1 + e^-g), as torch computes it: e^-g overflows to inf below
+   g = -88.72 (silu -0, as torch's), underflows to 0 far above -- */
+#define EXP_MAX 88.72283935546875f /* ln(FLT_MAX) */
+#if defined(__AVX512F__)
+/* e^-g by Cody-Waite: n = round(-g / ln2), r = -g - n ln2 (ln2 split in two), e^r by its degree-6 Taylor
+   polynomial (|r| <= ln2 / 2: ~1.2e-7 relative), scaled by 2^n with scalef; 1 / (1 + e^-g) by rcp14 and
+   one Newton step (~2^-23 relative) */
+static inline vf vsilu(vf gv) {
+    const __m512 g = (__m512)gv, y = _mm512_sub_ps(_mm512_setzero_ps(), g);
+    const __m512 x = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-150.0f)), _mm512_set1_ps(EXP_MAX));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, n), _mm512_set1_ps(1.0f));
+    __m512 inv = _mm512_rcp14_ps(d);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(d, inv, _mm512_set1_ps(2.0f)));
+    const __mmask16 overflow = _mm512_cmp_ps_mask(y, _mm512_set1_ps(EXP_MAX), _CMP_GT_OQ);
+    return (vf)_mm512_mask_mul_ps(_mm512_mul_ps(g, inv), overflow, g, _mm512_setzero_ps());
+}
+#else
+/* e^a for a in [-150, EXP_MAX]: 2^n p(r) as above, 2^n applied in two halves (the subnormals, 0 and
+   numbers up to FLT_MAX come out right) */
+static inline vf vexp(vf a) {
+    const vf magic = splat(12582912.0f); /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    vf nf = (a * splat(1.44269504088896341f) + magic) - magic;
+    vf r = a - nf * splat(0.693145751953125f) - nf * splat(1.428606765330187e-06f); /* ln2, split */
+    vf p = splat(1.0f / 720);
+    p = madd(p, r, splat(1.0f / 120));
+    p = madd(p, r, splat(1.0f / 24));
+    p = madd(p, r, splat(1.0f / 6));
+    p = madd(p, r, splat(0.5f));
+    p = madd(p, r, splat(1.0f));
+    p = madd(p, r, splat(1.0f));
+    vi n = __builtin_convertvector(nf, vi), n1 = n >> 1, n2 = n - n1;
+    return p * as_vf((vu)((n1 + 127) << 23)) * as_vf((vu)((n2 + 127) << 23));
+}
+static inline vf vsilu(vf g) {
+    const vf y = splat(0.0f) - g, hi = splat(EXP_MAX);
+    const vf s = g / (splat(1.0f) + vexp(vmin(vmax(y, splat(-150.0f)), hi)));
+    const vu overflow = (vu)(y > hi);
+    return as_vf((overflow & as_vu(g) & 0x80000000u) | (~overflow & as_vu(s))); /* overflow: -0 */
+}
+#endif
+
+void silu_and_mul(const bf16 *gu, int64_t gs, bf16 *out, int64_t os, int64_t T, int64_t I, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const bf16 *g = gu + t * gs, *u = g + I;
+        bf16 *o = out + t * os;
+        /* torch rounds silu to bf16 before the product */
+        FOR_CHUNKS(i, I, ST(o + i, as_vf(round_bits(vsilu(LD(g + i, c_)))) * LD(u + i, c_), c_));
+    }
+}
+
+/* -- RoPE, rotate-half, in place over the first H heads of D of each row; cos/sin [T, D/2] float32 -- */
+static inline void rope_chunk(bf16 *x, int64_t H, int64_t D, vf c, vf s, int64_t n) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < H; h++) {
+        bf16 *p = x + h * D;
+        vf x1 = LD(p, n), x2 = LD(p + half, n);
+        ST(p, x1 * c - x2 * s, n);
+        ST(p + half, x2 * c + x1 * s, n);
+    }
+}
+
+void rope(bf16 *x, int64_t xs, int64_t T, int64_t H, int64_t D, const float *cos_t, const float *sin_t,
+          int64_t cs, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T > 1)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_t + t * cs, *s = sin_t + t * cs;
+        FOR_CHUNKS(i, D / 2, rope_chunk(x + t * xs + i, H, D, LDF(c + i, c_), LDF(s + i, c_), c_));
+    }
+}
+"""
+
+# -ffp-contract=off: no fused multiply-adds, so each kernel rounds where torch's float32 composition does
+FLAGS = (*cbuild.DEFAULT_FLAGS, "-ffp-contract=off")
+_UNSET = object()
+_lib: object = _UNSET
+_lock = threading.Lock()
+
+
+def _load() -> ctypes.CDLL | None:
+    lib = cbuild.load("fused", _SOURCE, FLAGS)
+    if lib is None:
+        return None
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    signatures = {
+        "rms_norm": [ptr, i64, ptr, ptr, i64, i64, i64, f32, i32],
+        "add_rms_norm": [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32],
+        "silu_and_mul": [ptr, i64, ptr, i64, i64, i64, i32],
+        "rope": [ptr, i64, i64, i64, i64, ptr, ptr, i64, i32],
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they are disabled or cannot be built (decided once)."""
+    global _lib
+    if _lib is _UNSET:
+        with _lock:
+            if _lib is _UNSET:
+                _lib = _load()
+    return _lib  # type: ignore[return-value]
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the kernels run on ``x``'s kind of tensor: bfloat16 on the CPU, with the library built."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and library() is not None
+
+
+def _rows(x: torch.Tensor, name: str) -> tuple[int, int]:
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.stride(1) != 1:
+        raise ValueError(
+            f"{name}: expected a 2-D CPU bfloat16 tensor with contiguous rows, got {x.dtype} "
+            f"{tuple(x.shape)} strides {x.stride()} on {x.device}"
+        )
+    return x.shape[0], x.shape[1]
+
+
+def _weight(w: torch.Tensor, n: int) -> None:
+    if w.shape != (n,) or w.dtype != torch.bfloat16 or not w.is_contiguous():
+        raise ValueError(f"weight: expected a contiguous bfloat16 [{n}], got {w.dtype} {tuple(w.shape)}")
+
+
+def _out(out: torch.Tensor | None, t: int, n: int) -> torch.Tensor:
+    if out is None:
+        return torch.empty(t, n, dtype=torch.bfloat16)
+    if _rows(out, "out") != (t, n):
+        raise ValueError(f"out: expected shape {(t, n)}, got {tuple(out.shape)}")
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RMSNorm of the rows of ``x`` [T, N] times ``weight`` [N] (into ``out`` if given)."""
+    t, n = _rows(x, "x")
+    _weight(weight, n)
+    out = _out(out, t, n)
+    if t:
+        library().rms_norm(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), t, n, eps,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``h += delta`` in place (the residual stream), then RMSNorm of the new ``h`` times ``weight``."""
+    t, n = _rows(h, "h")
+    if _rows(delta, "delta") != (t, n):
+        raise ValueError(f"delta: expected shape {(t, n)} (as h), got {tuple(delta.shape)}")
+    _weight(weight, n)
+    out = _out(out, t, n)
+    if t:
+        library().add_rms_norm(
+            h.data_ptr(), h.stride(0), delta.data_ptr(), delta.stride(0), weight.data_ptr(), out.data_ptr(),
+            out.stride(0), t, n, eps, torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` [T, 2I] (gate the first I columns) -> [T, I]."""
+    t, n = _rows(gate_up, "gate_up")
+    if n % 2:
+        raise ValueError(f"gate_up: expected an even number of columns (gate, up), got {n}")
+    out = torch.empty(t, n // 2, dtype=torch.bfloat16)
+    if t:
+        library().silu_and_mul(
+            gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), t, n // 2,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int) -> None:
+    """Rotate-half RoPE in place over the first ``num_heads`` heads of ``head_dim`` in each row of ``x``
+    [T, >= num_heads * head_dim]; ``cos``/``sin`` [T, head_dim / 2] float32 with contiguous rows."""
+    t, n = _rows(x, "x")
+    if head_dim % 2 or num_heads * head_dim > n:
+        raise ValueError(f"num_heads: {num_heads} heads of {head_dim} do not fit a row of {n}")
+    for name, c in (("cos", cos), ("sin", sin)):
+        if c.dtype != torch.float32 or c.shape != (t, head_dim // 2) or c.stride(1) != 1:
+            raise ValueError(
+                f"{name}: expected float32 [{t}, {head_dim // 2}], got {c.dtype} {tuple(c.shape)}"
+            )
+    if cos.stride(0) != sin.stride(0):
+        raise ValueError(f"sin: row stride {sin.stride(0)} differs from cos's {cos.stride(0)}")
+    if t:
+        library().rope(
+            x.data_ptr(), x.stride(0), t, num_heads, head_dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+            torch.get_num_threads(),
+        )  # fmt: skip
