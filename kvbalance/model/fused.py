@@ -12,9 +12,11 @@ CPU. Arithmetic is float32 inside (bf16 widened exactly), rounded to bf16 to nea
   ``F.rms_norm`` does the same float32 maths; only the order of the sum of squares differs, so results
   are within one bf16 ulp). :func:`rms_norm` is the same row function without the add, so the fused and
   the unfused orders give identical bits.
-- :func:`silu_and_mul`: ``silu(gate) * up`` over the fused gate/up rows ``[T, 2I] -> [T, I]``, with
-  silu rounded to bf16 before the product as torch's bf16 ``F.silu(gate) * up`` rounds it (a
-  polynomial exp, ~3e-7 relative, instead of torch's: equal to torch but for rare ties, within 1 ulp).
+- :func:`silu_and_mul`: ``silu(gate) * up`` over the fused gate/up rows ``[T, 2I] -> [T, I]``, rounded
+  once. Torch's bf16 ``F.silu(gate) * up`` rounds silu to bf16 before the product; the two are within
+  one bf16 ulp (rounding silu first moves the product by at most half an ulp), and this one is the
+  closer to float32. Against the float32 composition rounded once it differs only where its polynomial
+  exp (~2e-7 relative) tips a rounding.
 - :func:`rope_`: rotate-half RoPE (HF layout) in place over the leading heads of each row (the q and k
   heads of the fused QKV output), with float32 cos/sin tables: the float32 maths of
   :func:`kvbalance.model.llama.apply_rope` in the same op order, rounded once (bit-identical to it on
@@ -204,7 +206,7 @@ static inline vf vsilu(vf g) {
     const vf y = splat(0.0f) - g, hi = splat(EXP_MAX);
     const vf s = g / (splat(1.0f) + vexp(vmin(vmax(y, splat(-150.0f)), hi)));
     const vu overflow = (vu)(y > hi);
-    return as_vf((overflow & as_vu(g) & 0x80000000u) | (~overflow & as_vu(s))); /* overflow: -0 */
+    return as_vf((overflow & as_vu(g * splat(0.0f))) | (~overflow & as_vu(s))); /* overflow: g * 0 */
 }
 #endif
 
@@ -213,8 +215,7 @@ void silu_and_mul(const bf16 *gu, int64_t gs, bf16 *out, int64_t os, int64_t T, 
     for (int64_t t = 0; t < T; t++) {
         const bf16 *g = gu + t * gs, *u = g + I;
         bf16 *o = out + t * os;
-        /* torch rounds silu to bf16 before the product */
-        FOR_CHUNKS(i, I, ST(o + i, as_vf(round_bits(vsilu(LD(g + i, c_)))) * LD(u + i, c_), c_));
+        FOR_CHUNKS(i, I, ST(o + i, vsilu(LD(g + i, c_)) * LD(u + i, c_), c_));
     }
 }
 
@@ -246,8 +247,8 @@ _lib: object = _UNSET
 _lock = threading.Lock()
 
 
-def _load() -> ctypes.CDLL | None:
-    lib = cbuild.load("fused", _SOURCE, FLAGS)
+def _load(name: str = "fused", flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
+    lib = cbuild.load(name, _SOURCE, flags)
     if lib is None:
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -274,8 +275,9 @@ def library() -> ctypes.CDLL | None:
 
 
 def supports(x: torch.Tensor) -> bool:
-    """Whether the kernels run on ``x``'s kind of tensor: bfloat16 on the CPU, with the library built."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and library() is not None
+    """Whether the kernels run on ``x``'s kind of tensor: bfloat16 on the CPU, with the library built,
+    and no autograd recording (inference; the C kernels record no gradients)."""
+    return x.dtype == torch.bfloat16 and x.is_cpu and not torch.is_grad_enabled() and library() is not None
 
 
 def _rows(x: torch.Tensor, name: str) -> tuple[int, int]:
