@@ -198,3 +198,29 @@ def test_without_the_kernels_the_bf16_model_runs_torch_and_agrees(monkeypatch):
         slow = model.compute_logits(model(ids, meta))
     assert meta.cos.dtype == BF16  # the torch path's tables
     assert (fast - slow).abs().max() < 0.05 * slow.abs().max()  # bf16 roundings apart, nothing more
+
+
+def test_rows_split_across_threads_change_no_bit():
+    x, d = strided(37, 576, 2.0, seed=8), strided(37, 576, 1.0, seed=9)
+    w, gate_up = torch.ones(576, dtype=BF16), strided(37, 300, 3.0, seed=10)
+    cos, sin = torch.rand(37, 32).cos(), torch.rand(37, 32).sin()
+
+    def run():
+        h, q = x.clone(), x.clone()
+        fused.rope_(q, cos, sin, 9, 64)
+        return (
+            fused.rms_norm(x, w, 1e-5),
+            fused.add_rms_norm(h, d, w, 1e-5),
+            h,
+            fused.silu_and_mul(gate_up),
+            q,
+        )
+
+    one = run()
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = run()
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))

@@ -281,7 +281,7 @@ def supports(x: torch.Tensor) -> bool:
 
 
 def _rows(x: torch.Tensor, name: str) -> tuple[int, int]:
-    if x.dim() != 2 or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.stride(1) != 1:
+    if x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(
             f"{name}: expected a 2-D CPU bfloat16 tensor with contiguous rows, got {x.dtype} "
             f"{tuple(x.shape)} strides {x.stride()} on {x.device}"
