@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from kvbalance.perf import profiles
-    from kvbalance.perf.fit_check import fit_check, format_floors
+    from kvbalance.perf.fit_check import fit_check, format_floors, format_inside
     from kvbalance.perf.fit_gpu import fit_gpu
     from kvbalance.perf.fit_report import format_errors, format_resolution, format_ways, write_report
     from kvbalance.specs import get_gpu
@@ -95,6 +95,7 @@ def run(args) -> int:
     print(format_ways(result, totals=args.totals))
     check = fit_check(result)
     print(format_resolution(check, totals=args.totals))
+    print(format_inside(check))
     print(format_floors(check))
     if result.correction is not None:
         print(f"measured corrections: {len(result.correction.corrections)} profiled kernel shapes")

@@ -47,6 +47,7 @@ class Scoring:
     raw: list[ClassError]
     resolution: list[ClassError]
     failures: list[dict] = field(repr=False)
+    inside: dict[str, float] = field(default_factory=dict)  # class -> share of predictions in [min, max]
 
     def failing(self, resolution: bool, bound: float = FLOOR_BOUND) -> dict[str, float]:
         """Classes whose worst error (over all token counts) reaches ``bound``: class -> worst."""
@@ -104,6 +105,7 @@ def fit_check(result, bound: float = FLOOR_BOUND) -> FitCheck:
     keys = c.keys if c is not None else sample_keys(samples, result.hardware)
     q = timer_quantum_s(samples)
     classes = [op_class(s) for s in samples]
+    labels = np.array(classes)
     meas = np.array([s.time_s for s in samples])
     tokens = np.array([s.num_tokens for s in samples])
     floors = point_floors(samples, keys)
@@ -114,7 +116,9 @@ def fit_check(result, bound: float = FLOOR_BOUND) -> FitCheck:
         err_q = resolution_error(pred, meas, q)
         res_rows = rel_error_rows(classes, tokens, err_q)
         fails = _failures(samples, pred, err_q, floors, q, bound)
-        out.append(Scoring(name, short, title, pred, getattr(owner, err_attr), res_rows, fails))
+        inside = inside_repeats(pred, samples)
+        share = {c: float(inside[labels == c].mean()) for c in dict.fromkeys(classes)}
+        out.append(Scoring(name, short, title, pred, getattr(owner, err_attr), res_rows, fails, share))
     return FitCheck(q, class_floors(samples, keys, classes, q, bound), out)
 
 
@@ -153,6 +157,15 @@ def format_floors(check: FitCheck, bound: float = FLOOR_BOUND) -> str:
     return "\n".join(lines)
 
 
+def format_inside(check: FitCheck) -> str:
+    """Per class, the share of each scoring's predictions inside the repeats' [min, max]."""
+    cols = "".join(f" {s.short:>15}" for s in check.scorings)
+    lines = ["predictions inside the repeats' [min, max], share per class:", f"  {'class':<20}{cols}"]
+    for cls in check.scorings[0].inside if check.scorings else ():
+        lines.append(f"  {cls:<20}" + "".join(f" {s.inside[cls]:>15.1%}" for s in check.scorings))
+    return "\n".join(lines)
+
+
 def format_failure(f: dict) -> str:
     floor = f"group floor {f['group_floor']:.0%}" if f["group_floor"] is not None else "profiled once"
     rep = f"repeats {f['min_s'] * 1e6:g}-{f['max_s'] * 1e6:g}us" if f["min_s"] is not None else "no repeats"
@@ -163,11 +176,13 @@ def format_failure(f: dict) -> str:
 
 def summary(check: FitCheck, bound: float = FLOOR_BOUND) -> dict:
     """JSON-ready: the quantum, ``floor`` per class, and per scoring its ``resolution_aware`` errors, its
-    ``check`` (raw and resolution-aware) and its ``failures`` (resolution-aware, every point past ``bound``)."""
+    ``check`` (raw and resolution-aware), the share of its predictions per class inside the repeats' [min, max]
+    (``inside_repeats``) and its ``failures`` (resolution-aware, every point past ``bound``)."""
     return {
         "timer_quantum_s": check.quantum_s,
         "floor": [f.to_dict() for f in check.floors],
         "resolution_aware": {s.name: [e.to_dict() for e in s.resolution] for s in check.scorings},
+        "inside_repeats": {s.name: s.inside for s in check.scorings},
         "check": {s.name: {"bound": bound, **s.check(bound)} for s in check.scorings},
         "failures": {s.name: s.failures for s in check.scorings},
     }

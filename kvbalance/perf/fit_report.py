@@ -109,7 +109,7 @@ def _grid(plt, n: int, height: float, **kw):
 
 def _residuals(plt, result: FitResult, pred: np.ndarray, title: str, path: Path, bound: float | None = None):
     """Relative error vs token count per class (colour: log2 TP; grey triangles: points measured at <= 5 timer
-    quanta); past ``bound``, the points circled (red: past it resolution-aware too)."""
+    quanta); past ``bound``, the points circled (green: past it resolution-aware too)."""
     classes = list(dict.fromkeys(op_class(s) for s in result.samples))
     labels = np.array([op_class(s) for s in result.samples])
     meas = np.array([s.time_s for s in result.samples])
@@ -128,12 +128,14 @@ def _residuals(plt, result: FitResult, pred: np.ndarray, title: str, path: Path,
         if bound is not None:
             bad = sel & (np.abs(rel) > bound)
             bad_q = bad & (resolution_error(pred, meas, q) >= bound)
-            for mask, colour in ((bad & ~bad_q, "black"), (bad_q, "red")):
+            for mask, colour in ((bad & ~bad_q, "black"), (bad_q, "limegreen")):
                 ax.scatter(tokens[mask], np.clip(rel[mask], -1, 1.5), s=14, facecolors="none",
                            edgecolors=colour, lw=0.9)  # fmt: skip
             for y in (-bound, bound):
                 ax.axhline(y, color="black", lw=0.6, ls="--")
-            ax.set_title(f"{cls} ({int(bad.sum())} past {bound:.0%}, {int(bad_q.sum())} resolution-aware)")
+            ax.set_title(
+                f"{cls}: {int(bad.sum())} > {bound:.0%} ({int(bad_q.sum())} res.-aware)", fontsize=10
+            )
         else:
             ax.set_title(cls)
         if (sel & low).any():
@@ -185,7 +187,7 @@ def plot(result: FitResult, out: Path) -> list[Path]:
     if result.correction is not None:
         paths.append(_residuals(plt, result, result.correction.loo_point_s,
                                 f"{name}: corrected model, leave-one-point-out along M "
-                                "(circled: past 30%; red: resolution-aware too)",
+                                "(circled: past 30%; green: resolution-aware too)",
                                 out / "cv_residuals.png", bound=0.30))  # fmt: skip
     return paths
 
