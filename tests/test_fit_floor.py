@@ -170,13 +170,9 @@ def test_check_per_scoring_reads_each_class_worst_raw_and_resolution_aware():
 
 
 def test_fit_check_scores_a_fit_raw_and_resolution_aware_beside_its_floor():
-    samples = [
-        sample(1, 1, 2),
-        sample(1, 1, 1, model="n"),
-        sample(2, 2, 2, model="o"),
-        sample(10, 9, 12, tokens=4),
-    ]
-    pred = np.array([1.5e-6, 1.5e-6, 1.5e-6, 20e-6])
+    samples = [sample(1, 1, 2), sample(1, 1, 1, model="n"), sample(2, 2, 2, model="o"), sample(10, 9, 12, tokens=4),
+               sample(10, 9, 11, tokens=8), sample(12, 11, 13, tokens=8, model="n")]  # fmt: skip
+    pred = np.array([1.5e-6, 1.5e-6, 1.5e-6, 20e-6, 20e-6, 20e-6])
     result = SimpleNamespace(samples=samples, correction=None, hardware=get_gpu("h100-sxm"), physical_s=pred,
                              errors=operator_errors(samples, pred))  # fmt: skip
     check = fit_check(result)
@@ -184,13 +180,15 @@ def test_fit_check_scores_a_fit_raw_and_resolution_aware_beside_its_floor():
     (s,) = check.scorings  # no corrections: the physical model's scoring only
     assert s.failing(False) == {"residual_add": pytest.approx(1.0)}  # 20 us for 10 us
     assert s.resolution[0].worst == pytest.approx(0.95)  # (10 - 0.5) / 10; the 1-2 us points: 0
-    assert s.resolution[0].median == pytest.approx(0.0, abs=1e-12)
-    assert s.inside == {"residual_add": 0.25}  # 1.5 us lies in [1, 2] only
-    (fail,) = s.failures
-    assert (fail["num_tokens"], fail["measured_quanta"], fail["inside_repeats"], fail["group_floor"]) == (
-        4, pytest.approx(10.0), False, None)  # fmt: skip
+    assert s.resolution[0].median == pytest.approx(0.3125)  # of 0, 0, 0, 0.625, 0.95, 0.95
+    assert s.inside == {"residual_add": pytest.approx(1 / 6)}  # 1.5 us lies in [1, 2] only
+    got = [(f["num_tokens"], f["model"], f["resolution_aware_error"], f["measured_quanta"], f["inside_repeats"],
+            f["group_floor"]) for f in s.failures]  # fmt: skip
+    assert got == [(4, "m", pytest.approx(0.95), pytest.approx(10), False, None),
+                   (8, "m", pytest.approx(0.95), pytest.approx(10), False, pytest.approx(2 / 22)),
+                   (8, "n", pytest.approx(7.5 / 12), pytest.approx(12), False, pytest.approx(2 / 22))]  # fmt: skip
     (floor,) = check.floors
-    assert (floor.groups, floor.low_points) == (1, 3) and floor.worst == pytest.approx(1 / 3)
+    assert (floor.groups, floor.low_points) == (2, 3) and floor.worst == pytest.approx(1 / 3)
     out = check_summary(check)
     assert out["check"]["physical_training"]["resolution_aware"]["pass"] is False
-    assert out["failures"]["physical_training"] == s.failures and out["floor"][0]["groups"] == 1
+    assert out["failures"]["physical_training"] == s.failures and out["floor"][0]["groups"] == 2
