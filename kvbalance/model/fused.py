@@ -18,9 +18,11 @@ CPU. Arithmetic is float32 inside (bf16 widened exactly), rounded to bf16 to nea
   closer to float32. Against the float32 composition rounded once it differs only where its polynomial
   exp (~2e-7 relative) tips a rounding.
 - :func:`rope_`: rotate-half RoPE (HF layout) in place over the leading heads of each row (the q and k
-  heads of the fused QKV output), with float32 cos/sin tables: the float32 maths of
-  :func:`kvbalance.model.llama.apply_rope` in the same op order, rounded once (bit-identical to it on
-  widened inputs; more accurate than bf16 tables, which round cos, sin and each product).
+  heads of the fused QKV output), with bf16 cos/sin tables: the float32 maths of
+  :func:`kvbalance.model.llama.apply_rope` on the widened inputs in the same op order, rounded once
+  (bit-identical to it; torch's bf16 composition rounds each product too). The tables are bf16 because
+  HF's bf16 model rounds cos/sin so: float32 tables (as accurate, no slower) flipped a near-tied greedy
+  token of the real SmolLM2 against transformers (tests/test_bf16.py, the slow test).
 
 The library is compiled on first use (:mod:`kvbalance.model.cbuild`); where it is unavailable (no
 compiler, ``KVBALANCE_NATIVE=0``) :func:`library` is None and the model runs its PyTorch code.
@@ -79,7 +81,6 @@ static inline void st(bf16 *p, vf x) {
 }
 static inline vf madd(vf a, vf b, vf c) { return a * b + c; }
 #endif
-static inline vf ldf(const float *p) { return *(const vf *)p; }
 static inline vf vmax(vf a, vf b) {
     vi m = a > b;
     return as_vf(((vu)m & as_vu(a)) | (~(vu)m & as_vu(b)));
@@ -100,18 +101,12 @@ static inline vf ld_tail(const bf16 *p, int64_t n) {
     memcpy(b, p, n * sizeof *p);
     return ld(b);
 }
-static inline vf ldf_tail(const float *p, int64_t n) {
-    float b[W] = {0};
-    memcpy(b, p, n * sizeof *p);
-    return ldf(b);
-}
 static inline void st_tail(bf16 *p, vf x, int64_t n) {
     bf16 b[W];
     st(b, x);
     memcpy(p, b, n * sizeof *p);
 }
 #define LD(p, n) ((n) >= W ? ld(p) : ld_tail(p, n))
-#define LDF(p, n) ((n) >= W ? ldf(p) : ldf_tail(p, n))
 #define ST(p, x, n) ((n) >= W ? st(p, x) : st_tail(p, x, n))
 
 /* Each kernel's body works on one chunk of n <= W elements; the loops call it with n = W (the checks
@@ -219,7 +214,7 @@ void silu_and_mul(const bf16 *gu, int64_t gs, bf16 *out, int64_t os, int64_t T, 
     }
 }
 
-/* -- RoPE, rotate-half, in place over the first H heads of D of each row; cos/sin [T, D/2] float32 -- */
+/* -- RoPE, rotate-half, in place over the first H heads of D of each row; cos/sin [T, D/2] bf16 -- */
 static inline void rope_chunk(bf16 *x, int64_t H, int64_t D, vf c, vf s, int64_t n) {
     const int64_t half = D / 2;
     for (int64_t h = 0; h < H; h++) {
@@ -230,12 +225,12 @@ static inline void rope_chunk(bf16 *x, int64_t H, int64_t D, vf c, vf s, int64_t
     }
 }
 
-void rope(bf16 *x, int64_t xs, int64_t T, int64_t H, int64_t D, const float *cos_t, const float *sin_t,
+void rope(bf16 *x, int64_t xs, int64_t T, int64_t H, int64_t D, const bf16 *cos_t, const bf16 *sin_t,
           int64_t cs, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T > 1)
     for (int64_t t = 0; t < T; t++) {
-        const float *c = cos_t + t * cs, *s = sin_t + t * cs;
-        FOR_CHUNKS(i, D / 2, rope_chunk(x + t * xs + i, H, D, LDF(c + i, c_), LDF(s + i, c_), c_));
+        const bf16 *c = cos_t + t * cs, *s = sin_t + t * cs;
+        FOR_CHUNKS(i, D / 2, rope_chunk(x + t * xs + i, H, D, LD(c + i, c_), LD(s + i, c_), c_));
     }
 }
 """
@@ -350,14 +345,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int) -> None:
     """Rotate-half RoPE in place over the first ``num_heads`` heads of ``head_dim`` in each row of ``x``
-    [T, >= num_heads * head_dim]; ``cos``/``sin`` [T, head_dim / 2] float32 with contiguous rows."""
+    [T, >= num_heads * head_dim]; ``cos``/``sin`` [T, head_dim / 2] bfloat16 with contiguous rows."""
     t, n = _rows(x, "x")
     if head_dim % 2 or num_heads * head_dim > n:
         raise ValueError(f"num_heads: {num_heads} heads of {head_dim} do not fit a row of {n}")
     for name, c in (("cos", cos), ("sin", sin)):
-        if c.dtype != torch.float32 or c.shape != (t, head_dim // 2) or c.stride(1) != 1:
+        if c.dtype != torch.bfloat16 or c.shape != (t, head_dim // 2) or c.stride(1) != 1:
             raise ValueError(
-                f"{name}: expected float32 [{t}, {head_dim // 2}], got {c.dtype} {tuple(c.shape)}"
+                f"{name}: expected bfloat16 [{t}, {head_dim // 2}], got {c.dtype} {tuple(c.shape)}"
             )
     if cos.stride(0) != sin.stride(0):
         raise ValueError(f"sin: row stride {sin.stride(0)} differs from cos's {cos.stride(0)}")

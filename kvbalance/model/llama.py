@@ -256,7 +256,7 @@ class StepMetadata:
     groups: list[AttnGroup]
     query_start_loc: np.ndarray  # [B + 1] cumulative new-token counts (host side, for inspection)
     context_lens: np.ndarray  # [B] tokens whose KV exists after the step
-    cos: torch.Tensor | None = None  # [T, head_dim / 2], filled by the model: float32 for the fused bf16 path
+    cos: torch.Tensor | None = None  # [T, head_dim / 2], filled by the model (in its dtype)
     sin: torch.Tensor | None = None
 
 
@@ -429,7 +429,7 @@ class Attention(nn.Module):
         t, kvh, hd = x.shape[0], self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv)
         # q and k heads sit side by side in the fused output: one RoPE over both
-        if meta.cos.dtype == torch.float32 and fused.supports(qkv):  # bf16: in place, float32 tables
+        if meta.cos.dtype == torch.bfloat16 and fused.supports(qkv):  # bf16 on the CPU: in place
             fused.rope_(qkv, meta.cos, meta.sin, self.num_heads + kvh, hd)
             q, k, v = qkv.view(t, -1, hd).split((self.num_heads, kvh, kvh), dim=1)
         else:
@@ -583,12 +583,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for the flattened step (positions come from ``meta``)."""
-        fast = fused.supports(self.embed.weight)
         freqs = meta.positions.float()[:, None] * self.inv_freq.float()[None, :]
-        dtype = torch.float32 if fast else self.embed.weight.dtype  # the fused RoPE's tables are float32
-        meta.cos, meta.sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+        meta.cos, meta.sin = freqs.cos().to(self.embed.weight.dtype), freqs.sin().to(self.embed.weight.dtype)
         h = self.embed(input_ids)
-        if fast:
+        if fused.supports(h):
             return self._forward_fused(h, meta)
         for layer in self.layers:
             h = layer(h, meta)
