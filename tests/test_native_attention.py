@@ -155,6 +155,22 @@ def test_amx_falls_back_where_blocks_are_not_16_rows():
     assert torch.equal(out, native.paged_decode_attention(q, k, v, table, ctx, 0.125, amx=False))
 
 
+@needs_amx
+def test_amx_threads_split_the_units_and_agree():
+    """Each thread takes a contiguous run of (sequence, head) units of about equal keys: any thread
+    count gives the one-thread result exactly (every unit is computed the same way)."""
+    q, k, v, table, ctx = _bf16_case(8, 3, 64, 64, [1, 900, 5, 64, 300, 2, 1000], kvh=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.paged_decode_attention(q, k, v, table, ctx, 0.125, amx=True)
+        for n in (2, 3, 5):
+            torch.set_num_threads(n)
+            assert torch.equal(native.paged_decode_attention(q, k, v, table, ctx, 0.125, amx=True), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_amx_switch(monkeypatch):
     """``KVBALANCE_NATIVE_AMX=0`` keeps the portable path; float32 queries never take the AMX path."""
     monkeypatch.setenv("KVBALANCE_NATIVE_AMX", "0")

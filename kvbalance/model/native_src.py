@@ -259,19 +259,19 @@ void paged_decode_attention(const io_t *restrict q, const kv_t *restrict k, cons
         #pragma omp parallel num_threads(nthreads)
         {
             amx_configure(); /* tile configuration is per thread */
-            /* each thread a contiguous run of (sequence, head) units, so it knows the next to prefetch */
+            /* each thread a contiguous run of (sequence, head) units (about equal keys), so it knows the
+               next to prefetch */
             const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-            const int64_t units = B * KVH, u0 = units * id / nt, u1 = units * (id + 1) / nt;
-            for (int64_t u = u0; u < u1; u++) {
-                const int64_t b = u / KVH, h = u % KVH;
-                span_t next = {0, 0, 0, 0};
-                if (u + 1 < u1) {
-                    const int64_t b2 = (u + 1) / KVH, h2 = (u + 1) % KVH;
-                    next = (span_t){k + h2 * NB * BS * D, v + h2 * NB * BS * D, table + b2 * MAXB, ctx[b2]};
+            int64_t total = 0, u0 = 0, u1 = 0, seen = 0; /* split the units by their keys */
+            for (int64_t b = 0; b < B; b++) total += ctx[b];
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t h = 0; h < KVH; h++, seen += ctx[b]) {
+                    if (seen * nt < total * KVH * id) u0 = b * KVH + h + 1;
+                    if (seen * nt < total * KVH * (id + 1)) u1 = b * KVH + h + 1;
                 }
-                attend_head_amx(q + u * GROUP * D, k + h * NB * BS * D, v + h * NB * BS * D, table + b * MAXB,
-                                ctx[b], BS, scale, out + u * GROUP * D, next);
-            }
+            const int64_t per_win = BS >= WIN ? 1 : WIN / BS;
+            const run_t run = {q, k, v, table, ctx, KVH, NB, BS, MAXB, per_win, u1};
+            attend_run_amx(&run, u0, scale, out);
             _tile_release();
         }
         return;
