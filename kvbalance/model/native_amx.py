@@ -32,13 +32,13 @@ AMX_SOURCE = r"""
    per weighted row, and the scores of 32 of its keys computed every SCORE_EVERY + 1 (a power of two) weighted rows
    once SCORE_LAG rows are done (behind the prefetch) */
 #ifndef PF_RATE
-#define PF_RATE 2
+#define PF_RATE 1
 #endif
 #ifndef SCORE_EVERY
-#define SCORE_EVERY 15
+#define SCORE_EVERY 31
 #endif
 #ifndef SCORE_LAG
-#define SCORE_LAG 31
+#define SCORE_LAG 63
 #endif
 
 /* Tile loads and stores as asm the compiler keeps in order; they do not claim to touch memory (a
