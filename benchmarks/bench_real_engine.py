@@ -20,10 +20,15 @@ ShareGPT lengths (inputs capped at 1,024 tokens, outputs at 256), all submitted 
   then says how many.
 
 Each system runs with each thread budget in ``--threads`` (vllm: ``VLLM_CPU_OMP_THREADS_BIND`` to that many
-cores; kvbalance and transformers: ``torch.set_num_threads``), and ``--repeats`` rounds alternate the systems
-(A B C D A B C D), since the machine is shared: wall-clock figures are slowed by other processes, so the
-table's main column is output tokens per CPU second (all processes and threads of the system: vLLM's
-front-end and engine-core processes included). kvbalance's row also splits its time (forward, executor host
+cores; kvbalance and transformers: ``torch.set_num_threads``) and, unless ``--no-pin``, with every process of
+the system pinned to that many cores (``sched_setaffinity`` to cores 0..N-1, inherited by vLLM's processes):
+the same core budget for both engines. Unpinned, vLLM's front-end process takes a second core when one is
+idle (its CPU seconds per token doubled on a quiet machine: 1.9 cores busy for one compute thread), which
+makes a CPU-time comparison flatter kvbalance and a wall-clock one flatter vLLM. ``--repeats`` rounds
+alternate the systems (A B C D A B C D), since the machine is shared. The table gives output tokens per CPU
+second (all processes and threads of the system: vLLM's front-end and engine-core processes included) and
+per wall second; the summary's ratio is per wall second on the pinned cores (with ``--no-pin``: per CPU
+second). kvbalance's row also splits its time (forward, executor host
 work, scheduler, the rest of the engine loop), and every row prints the FLOP-bound limit at its dtype: the
 rate of a GEMM in that dtype measured on this CPU at that thread count, against the workload's matmul FLOPs
 (2 x parameters per computed token + the LM head per sampled token; attention left out, so this is an
@@ -333,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kvb-best", default="4096,256", help="kvb-best's max_num_batched_tokens,max_num_seqs")
     ap.add_argument("--hf-batches", type=int, default=None, help="run only the first N transformers batches")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
+    ap.add_argument(
+        "--no-pin", action="store_true", help="do not pin each system to its thread budget's cores"
+    )
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
 
@@ -381,10 +389,13 @@ def main(argv: list[str] | None = None) -> int:
               f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
         runs: dict[str, list[dict]] = {}
         for threads in thread_counts:
+            if not args.no_pin:
+                pin_cores(threads)
             for _ in range(args.repeats):
                 for name in systems:
                     r = _run_system(name, args, prompts, outputs, threads, (best_tokens, best_seqs))
                     r["threads"], r["load_avg_at_end"] = threads, list(os.getloadavg())
+                    r["pinned_cores"] = None if args.no_pin else sorted(os.sched_getaffinity(0))
                     runs.setdefault(f"{name} x{threads}", []).append(r)
                     lim = sum(outputs) / (flops / (gemm[row_dtype(r), threads] * 1e9))
                     if "error" not in r and r.get("output_tokens") != sum(outputs) and name != "hf":
@@ -395,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         info["runs"] = runs
         result["workloads"][wl] = info
-        _summary(wl, info, runs, gemm)
+        _summary(wl, info, runs, gemm, wall=not args.no_pin)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.is_file():  # keep workloads measured by an earlier run
@@ -411,7 +422,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _summary(wl: str, info: dict, runs: dict[str, list[dict]], gemm: dict[tuple[str, int], float]) -> None:
+def pin_cores(threads: int) -> None:
+    """Pin this process (and the processes it starts) to cores 0..threads-1 of the ones it may use."""
+    allowed = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    if threads > len(allowed):
+        raise SystemExit(f"threads: {threads} exceeds the {len(allowed)} cores of this machine")
+    os.sched_setaffinity(0, allowed[:threads])
+
+
+def _summary(
+    wl: str, info: dict, runs: dict[str, list[dict]], gemm: dict[tuple[str, int], float], wall: bool
+) -> None:
     head = f"{'system x threads':<20}{'tok/step dtype':>17}{'tok/cpu-s':>10}{'tok/s':>10}{'cpu s':>9}{'wall s':>9}"
     print(f"\n{wl}: median of {max(len(v) for v in runs.values())} run(s); output tokens per CPU second "
           f"(all threads and processes) and per wall second; FLOP-bound limit and share of it (CPU time)")  # fmt: skip
@@ -436,12 +457,13 @@ def _summary(wl: str, info: dict, runs: dict[str, list[dict]], gemm: dict[tuple[
         for ours, theirs, label in pairs:
             kvb, vd = runs.get(f"{ours} x{t}"), runs.get(f"{theirs} x{t}")
             if kvb and vd and "error" not in kvb[0] and "error" not in vd[0]:
+                per = "wall_s" if wall else "cpu_s"
                 ratios = [
-                    (a["output_tokens"] / a["cpu_s"]) / (b["output_tokens"] / b["cpu_s"])
-                    for a, b in zip(kvb, vd)
+                    (a["output_tokens"] / a[per]) / (b["output_tokens"] / b[per]) for a, b in zip(kvb, vd)
                 ]
+                how = f"per wall second on {t} pinned core(s)" if wall else "per CPU second, unpinned"
                 print(f"  kvbalance / vllm-cpu, {label} ({row_dtype(kvb[0])} vs {row_dtype(vd[0])}), {t} thread(s), "
-                      "per CPU second: " + ", ".join(f"{x:.2f}x" for x in ratios))  # fmt: skip
+                      f"{how}: " + ", ".join(f"{x:.2f}x" for x in ratios))  # fmt: skip
 
 
 if __name__ == "__main__":

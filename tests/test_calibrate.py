@@ -234,7 +234,9 @@ def test_calibrate_command_writes_a_preset_and_a_report(tmp_path, capsys):
     hw = _calibrate_synthetic(tmp_path, "--no-plots")
     text = capsys.readouterr().out
     assert "gemm" in text and "median" in text and "1-16" in text and "all-reduce x8" in text
-    assert "check (leave-one-point-out worst < 30% per class): met" in text  # synthetic: nothing to correct
+    # synthetic: nothing to correct, every scoring passes
+    assert "(2a) corrected, leave-one-point-out along M: raw PASS, resolution-aware PASS" in text
+    assert "FAIL" not in text
     assert hw.compute_eff_max == pytest.approx(0.7, rel=0.01)
     assert hw.kernel_latency_s == pytest.approx(5e-6, rel=0.01)
     assert (tmp_path / "rep" / "errors.json").stat().st_size > 0

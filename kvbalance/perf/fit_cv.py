@@ -26,6 +26,13 @@ from kvbalance.specs import HardwareSpec, ShapeCorrection
 
 # Relative error the worst-case check allows per operator class (issue 11).
 WORST_BOUND = 0.30
+# The M tile (rows) each class's corrections interpolate within (ShapeCorrection.tile_tokens, written into the
+# preset; :mod:`kvbalance.perf.correction`). Measured by leave-one-point-out on the H100 and A40 profiles: GEMMs
+# at ceil(M / 128) cut the points past 30% (resolution-aware) from 70 to 24 (H100) and 36 to 21 (A40), worst
+# 74% -> 59% and 69% -> 48%; 64 and 256 rows do less on one GPU each (66% / 54%, 59% / 46% with 29 / 32
+# points), floor(M / t) buckets (tiles starting at M = t) far worse (179% / 174%); element-wise classes in
+# 128-row tiles get worse (RMSNorm 33% -> 52% H100), so they keep one interpolation over every knot.
+CORRECTION_TILES = {"gemm": 128}
 # Fits the physical curves of a base spec on some samples (perf.fit_gpu.fit_physical).
 PhysicalFit = Callable[[HardwareSpec, Sequence[OperatorSample]], HardwareSpec]
 
@@ -114,7 +121,9 @@ def loo_model_refit(
         train = np.flatnonzero(models != m)
         hw_m = refit(hw, [samples[i] for i in train])
         phys = physical_times(samples, hw_m)
-        table = build_corrections([keys[i] for i in train], tokens[train], np.log(meas[train] / phys[train]))
+        table = build_corrections(
+            [keys[i] for i in train], tokens[train], np.log(meas[train] / phys[train]), CORRECTION_TILES
+        )
         out[held] = phys[held] * np.exp(evaluate(table, [keys[i] for i in held], tokens[held]))
     return out
 
@@ -132,13 +141,15 @@ def fit_corrections(
     meas = np.array([s.time_s for s in samples])
     tokens = np.array([s.num_tokens for s in samples], dtype=float)
     log_ratio = np.log(meas) - np.log(physical_s)
-    corrections = build_corrections(keys, tokens, log_ratio)
+    corrections = build_corrections(keys, tokens, log_ratio, CORRECTION_TILES)
     models = [s.shape.model for s in samples]
-    loo_point = physical_s * np.exp(loo_point_log_ratio(keys, tokens, log_ratio))
+    loo_point = physical_s * np.exp(loo_point_log_ratio(keys, tokens, log_ratio, CORRECTION_TILES))
     if refit is not None:
         loo_model = loo_model_refit(samples, hw, keys, refit)
     else:
-        loo_model = physical_s * np.exp(loo_group_log_ratio(keys, tokens, log_ratio, models))
+        loo_model = physical_s * np.exp(
+            loo_group_log_ratio(keys, tokens, log_ratio, models, CORRECTION_TILES)
+        )
     corrected = physical_s * np.exp(evaluate(corrections, keys, tokens))
     return CorrectionFit(
         corrections,

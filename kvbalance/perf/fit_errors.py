@@ -44,7 +44,12 @@ class ClassError:
 def error_rows(
     label_of: Sequence[str], size: np.ndarray, pred: np.ndarray, meas: np.ndarray, ranges=TOKEN_RANGES
 ) -> list[ClassError]:
-    rel = np.abs(pred / meas - 1.0)
+    """|pred / meas - 1| per class of ``label_of`` and range of ``size``, median and worst."""
+    return rel_error_rows(label_of, size, np.abs(pred / meas - 1.0), ranges)
+
+
+def rel_error_rows(label_of: Sequence[str], size: np.ndarray, rel: np.ndarray, ranges=TOKEN_RANGES):
+    """Median and worst of per-point errors ``rel`` per class of ``label_of`` and range of ``size``."""
     labels = np.array(label_of)
     rows = []
     for cls in dict.fromkeys(label_of):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbalance.perf.cost import OpCount, op_time
-from kvbalance.perf.fit_cv import CorrectionFit, fit_corrections, sample_models
+from kvbalance.perf.fit_cv import CORRECTION_TILES, CorrectionFit, fit_corrections, sample_models
 from kvbalance.perf.fit_errors import (  # noqa: F401  (re-exported: the report and tests import them here)
     BATCH_RANGES,
     BYTE_RANGES,
@@ -332,7 +332,9 @@ def _correction_note(corr: CorrectionFit | None) -> str:
     if corr is None:
         return ""
     worst = max((e for e in corr.loo_point_errors if e.tokens == "all"), key=lambda e: e.worst)
+    tiles = "".join(f", {cls} within {t}-row M tiles" for cls, t in CORRECTION_TILES.items())
     return (
-        f" Measured corrections for {len(corr.corrections)} profiled kernel shapes (piecewise-linear in log M);"
+        f" Measured corrections for {len(corr.corrections)} profiled kernel shapes (piecewise-linear in log M"
+        f"{tiles});"
         f" leave-one-point-out worst error {worst.worst:.1%} ({worst.op_class})."
     )

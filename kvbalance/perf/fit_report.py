@@ -12,6 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
+from kvbalance.perf.fit_check import WAYS, FitCheck, fit_check
+from kvbalance.perf.fit_check import summary as check_summary
+from kvbalance.perf.fit_floor import LOW_QUANTA, low_quanta, resolution_error, timer_quantum_s
 from kvbalance.perf.fit_gpu import ClassError, FitResult, op_class
 
 
@@ -23,37 +26,21 @@ def format_errors(title: str, rows: Sequence[ClassError]) -> str:
     return "\n".join(lines)
 
 
-# The ways a fit's operator errors are scored (perf/fit_cv.py): header, FitResult attribute path.
-WAYS = (
-    ("(1) phys train", "(1) physical model, training points", "errors"),
-    (
-        "(2a) LOO point",
-        "(2a) corrected, leave-one-point-out along M (the check's figure)",
-        "loo_point_errors",
-    ),
-    ("(2b) LOO model", "(2b) corrected, leave-one-model-out", "loo_model_errors"),
-    ("(3) corr train", "(3) corrected, training points", "corrected_errors"),
-)
-
-
 def ways(result: FitResult) -> list[tuple[str, str, list[ClassError]]]:
     """The operator error tables of ``result``: the physical model's, and with corrections the three others."""
-    out = [(WAYS[0][0], WAYS[0][1], result.errors)]
+    out = [(WAYS[0][1], WAYS[0][2], result.errors)]
     if result.correction is not None:
-        out += [(short, title, getattr(result.correction, attr)) for short, title, attr in WAYS[1:]]
+        out += [(short, title, getattr(result.correction, attr)) for _, short, title, attr, _ in WAYS[1:]]
     return out
 
 
-def format_ways(result: FitResult, totals: bool = False) -> str:
-    """One row per class and token range, median / worst under every way of scoring (the <30% check reads
-    (2a))."""
-    tables = ways(result)
-    head = "".join(f" {short:>17}" for short, _, _ in tables)
-    lines = [
-        "operator error |pred/meas - 1|, median / worst:",
-        *(f"  {title}" for _, title, _ in tables),
-        f"  {'class':<20} {'range':<10} {'n':>6}{head}",
-    ]
+def format_tables(
+    head: str, tables: Sequence[tuple[str, str, list[ClassError]]], totals: bool = False
+) -> str:
+    """One row per class and token range, median / worst under every table of ``tables`` (their rows in the
+    same order)."""
+    cols = "".join(f" {short:>17}" for short, _, _ in tables)
+    lines = [head, *(f"  {title}" for _, title, _ in tables), f"  {'class':<20} {'range':<10} {'n':>6}{cols}"]
     for i, e in enumerate(tables[0][2]):
         if totals and e.tokens != "all":
             continue
@@ -62,10 +49,23 @@ def format_ways(result: FitResult, totals: bool = False) -> str:
     return "\n".join(lines)
 
 
-def summary(result: FitResult) -> dict:
+def format_ways(result: FitResult, totals: bool = False) -> str:
+    """Raw relative errors under every way of scoring (the <30% check has been read on (2a))."""
+    return format_tables("operator error |pred/meas - 1|, median / worst:", ways(result), totals)
+
+
+def format_resolution(check: FitCheck, totals: bool = False) -> str:
+    """Resolution-aware errors (perf/fit_floor.py) under every way of scoring."""
+    q_us = check.quantum_s * 1e6
+    head = f"resolution-aware operator error max(0, |pred - meas| - q/2) / meas (q = {q_us:g} us), median / worst:"
+    return format_tables(head, [(s.short, s.title, s.resolution) for s in check.scorings], totals)
+
+
+def summary(result: FitResult, check: FitCheck | None = None) -> dict:
     """JSON-ready errors of a fit (what ``--report`` writes as ``errors.json``): ``operators`` is the physical
     model's training error; with corrections, ``corrected`` holds the three other ways and the
-    leave-one-point-out points past 30% (``check_failures``)."""
+    leave-one-point-out points past 30% (``check_failures``); then the timer quantum, the ``floor`` per class
+    and, per scoring, ``resolution_aware`` errors, ``check`` and ``failures`` (:func:`fit_check.summary`)."""
     out = {
         "hardware": result.hardware.name,
         "operators": [e.to_dict() for e in result.errors],
@@ -76,10 +76,11 @@ def summary(result: FitResult) -> dict:
     if c is not None:
         out["corrected"] = {
             "num_shapes": len(c.corrections),
-            **{attr: [e.to_dict() for e in getattr(c, attr)] for _, _, attr in WAYS[1:]},
+            **{attr: [e.to_dict() for e in getattr(c, attr)] for _, _, _, attr, _ in WAYS[1:]},
             "check": "worst leave-one-point-out error per class under 30%",
             "check_failures": c.failures(result.samples),
         }
+    out.update(check_summary(check if check is not None else fit_check(result)))
     return out
 
 
@@ -107,27 +108,38 @@ def _grid(plt, n: int, height: float, **kw):
 
 
 def _residuals(plt, result: FitResult, pred: np.ndarray, title: str, path: Path, bound: float | None = None):
-    """Relative error vs token count per class (colour: log2 TP); past ``bound``, the points in red."""
+    """Relative error vs token count per class (colour: log2 TP; grey triangles: points measured at <= 5 timer
+    quanta); past ``bound``, the points circled (green: past it resolution-aware too)."""
     classes = list(dict.fromkeys(op_class(s) for s in result.samples))
     labels = np.array([op_class(s) for s in result.samples])
     meas = np.array([s.time_s for s in result.samples])
     tokens = np.array([s.num_tokens for s in result.samples])
     tp = np.array([s.tp for s in result.samples])
+    q = timer_quantum_s(result.samples)
+    low = low_quanta(result.samples, q)
     rel = pred / meas - 1
     fig, axes = _grid(plt, len(classes), 3.2, sharey=True)
     for ax, cls in zip(axes.flat, classes):
         sel = labels == cls
-        ax.scatter(tokens[sel], rel[sel], c=np.log2(tp[sel]), s=3, cmap="coolwarm", alpha=0.6)
+        ax.scatter(tokens[sel & ~low], rel[sel & ~low], c=np.log2(tp[sel & ~low]), s=3, cmap="coolwarm",
+                   alpha=0.6, vmin=0, vmax=3)  # fmt: skip
+        ax.scatter(tokens[sel & low], rel[sel & low], marker="^", color="0.45", s=5, alpha=0.6,
+                   label=f"<= {LOW_QUANTA} quanta ({q * 1e6:g} us)")  # fmt: skip
         if bound is not None:
             bad = sel & (np.abs(rel) > bound)
-            ax.scatter(
-                tokens[bad], np.clip(rel[bad], -1, 1.5), s=14, facecolors="none", edgecolors="black", lw=0.9
-            )
+            bad_q = bad & (resolution_error(pred, meas, q) >= bound)
+            for mask, colour in ((bad & ~bad_q, "black"), (bad_q, "limegreen")):
+                ax.scatter(tokens[mask], np.clip(rel[mask], -1, 1.5), s=14, facecolors="none",
+                           edgecolors=colour, lw=0.9)  # fmt: skip
             for y in (-bound, bound):
                 ax.axhline(y, color="black", lw=0.6, ls="--")
-            ax.set_title(f"{cls} ({int(bad.sum())} past {bound:.0%})")
+            ax.set_title(
+                f"{cls}: {int(bad.sum())} > {bound:.0%} ({int(bad_q.sum())} res.-aware)", fontsize=10
+            )
         else:
             ax.set_title(cls)
+        if (sel & low).any():
+            ax.legend(loc="upper right", fontsize=7)
         ax.axhline(0, color="k", lw=0.8)
         for y in (-0.1, 0.1):
             ax.axhline(y, color="k", lw=0.5, ls=":")
@@ -174,15 +186,19 @@ def plot(result: FitResult, out: Path) -> list[Path]:
                             out / "residuals.png"))  # fmt: skip
     if result.correction is not None:
         paths.append(_residuals(plt, result, result.correction.loo_point_s,
-                                f"{name}: corrected model, leave-one-point-out along M (circled: past 30%)",
+                                f"{name}: corrected model, leave-one-point-out along M "
+                                "(circled: past 30%; green: resolution-aware too)",
                                 out / "cv_residuals.png", bound=0.30))  # fmt: skip
     return paths
 
 
-def write_report(result: FitResult, out: str | Path, plots: bool = True) -> list[Path]:
-    """Write ``points.csv``, ``errors.json`` and (``plots``) the two plots under ``out``; returns the files."""
+def write_report(
+    result: FitResult, out: str | Path, plots: bool = True, check: FitCheck | None = None
+) -> list[Path]:
+    """Write ``points.csv``, ``errors.json`` (with ``check``, the fit's :class:`FitCheck`, computed if not
+    given) and (``plots``) the plots under ``out``; returns the files."""
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
     write_points(result, d / "points.csv")
-    (d / "errors.json").write_text(json.dumps(summary(result), indent=2) + "\n")
+    (d / "errors.json").write_text(json.dumps(summary(result, check), indent=2) + "\n")
     return [d / "points.csv", d / "errors.json", *(plot(result, d) if plots else [])]

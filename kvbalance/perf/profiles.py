@@ -3,7 +3,8 @@ times, NCCL all-reduce times and vLLM's host time per step, as typed samples in 
 
 Layout (``../shared/profiles`` beside the repository, or ``$KVBALANCE_PROFILES``)::
 
-    vidur/compute/<gpu>/<org>/<model>/mlp.csv         time_stats.<op>.median (ms) by num_tokens, TP degree
+    vidur/compute/<gpu>/<org>/<model>/mlp.csv         time_stats.<op>.{median,min,max,std} (ms) over the
+                                                      repeats, by num_tokens, TP degree
     vidur/network/<topology>/all_reduce.csv           time_stats.all_reduce.median (ms) by size (bytes), workers
     vidur/cpu_overheads/<gpu>/cpu_overheads.csv       <part>_median (ms) by model, batch_size, TP degree
 """
@@ -73,7 +74,8 @@ class ProfileShape:
 
 @dataclass(frozen=True)
 class OperatorSample:
-    """One operator's measured median CUDA time for ``num_tokens`` tokens at TP degree ``tp``."""
+    """One operator's measured median CUDA time for ``num_tokens`` tokens at TP degree ``tp``, and the repeats'
+    fastest, slowest and standard deviation where the profile has them (``None`` otherwise)."""
 
     gpu: str
     shape: ProfileShape
@@ -82,6 +84,9 @@ class OperatorSample:
     num_tokens: int
     tp: int
     time_s: float
+    min_s: float | None = None
+    max_s: float | None = None
+    std_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -111,7 +116,7 @@ def _int(row: dict, col: str, path: Path) -> int:
         raise ValueError(f"{col}: missing or not a number in {path}") from None
 
 
-def _ms(row: dict, col: str, path: Path) -> float | None:
+def _ms(row: dict, col: str, path: Path, positive: bool = True) -> float | None:
     v = row.get(col)
     if v in (None, ""):
         return None
@@ -119,9 +124,27 @@ def _ms(row: dict, col: str, path: Path) -> float | None:
         t = float(v) * 1e-3
     except ValueError:
         raise ValueError(f"{col}: not a number ({v!r}) in {path}") from None
-    if not t > 0:
-        raise ValueError(f"{col}: times must be > 0 ms, got {v!r} in {path}")
+    if not (t > 0 if positive else t >= 0):
+        raise ValueError(f"{col}: times must be {'>' if positive else '>='} 0 ms, got {v!r} in {path}")
     return t
+
+
+def _operator_sample(
+    row: dict, path: Path, gpu: str, shape: ProfileShape, prof_op: str, tokens: int, tp: int
+) -> OperatorSample | None:
+    """The sample of ``prof_op`` in one row (None where the row has no median for it); the repeats' min and
+    max must bracket the median."""
+    col = f"time_stats.{prof_op}"
+    t = _ms(row, f"{col}.median", path)
+    if t is None:
+        return None
+    lo, hi = _ms(row, f"{col}.min", path), _ms(row, f"{col}.max", path)
+    if lo is not None and lo > t:
+        raise ValueError(f"{col}.min: {row[col + '.min']!r} ms exceeds the median in {path}")
+    if hi is not None and hi < t:
+        raise ValueError(f"{col}.max: {row[col + '.max']!r} ms is below the median in {path}")
+    std = _ms(row, f"{col}.std", path, positive=False)
+    return OperatorSample(gpu, shape, VIDUR_OPS[prof_op], prof_op, tokens, tp, t, lo, hi, std)
 
 
 def gpu_dirs(root: str | os.PathLike) -> list[str]:
@@ -152,10 +175,10 @@ def load_operator_samples(root: str | os.PathLike, gpu: str) -> list[OperatorSam
                 )
                 tokens = _int(row, "num_tokens", path)
                 tp = _int(row, "num_tensor_parallel_workers", path)
-                for prof_op, op in VIDUR_OPS.items():
-                    t = _ms(row, f"time_stats.{prof_op}.median", path)
-                    if t is not None:
-                        out.append(OperatorSample(gpu, shape, op, prof_op, tokens, tp, t))
+                for prof_op in VIDUR_OPS:
+                    sample = _operator_sample(row, path, gpu, shape, prof_op, tokens, tp)
+                    if sample is not None:
+                        out.append(sample)
     return out
 
 

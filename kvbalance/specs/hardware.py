@@ -4,6 +4,7 @@ measured-shape corrections; saved and loaded as JSON or YAML."""
 from __future__ import annotations
 
 import json
+import operator
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -97,10 +98,14 @@ class ShapeCorrection:
     """Measured-time correction of one profiled kernel shape on one GPU (the second level of the cost model,
     after Vidur's per-operator predictor from profiled points): at ``tokens[i]`` (M, ascending) the measured
     time is ``exp(log_ratio[i])`` times the physical model's; between knots the log ratio is interpolated
-    linearly in log M, beyond the ends it holds the end value (``kvbalance.perf.correction``)."""
+    linearly in log M, beyond the ends it holds the end value (``kvbalance.perf.correction``). With
+    ``tile_tokens`` > 0 a token count M sees only the knots of its tile bucket ceil(M / tile_tokens) where that
+    bucket has any (cuBLAS switches kernels at M tile boundaries); 0 (the default, and every preset written
+    before the field): one interpolation over all knots."""
 
     tokens: tuple[float, ...]
     log_ratio: tuple[float, ...]
+    tile_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", tuple(float(t) for t in self.tokens))
@@ -114,6 +119,13 @@ class ShapeCorrection:
             raise ValueError("tokens: must be >= 1 and strictly ascending")
         if not all(abs(r) < 20 for r in self.log_ratio):  # also rejects NaN
             raise ValueError("log_ratio: must be finite, |log_ratio| < 20")
+        try:  # an integer of any kind (a float is refused: a tile is a whole number of rows)
+            tile = operator.index(self.tile_tokens)
+        except TypeError:
+            tile = -1
+        if tile < 0:
+            raise ValueError(f"tile_tokens: must be an integer >= 0, got {self.tile_tokens!r}")
+        object.__setattr__(self, "tile_tokens", tile)
 
 
 @dataclass(frozen=True)
@@ -233,6 +245,7 @@ class HardwareSpec:
         d = asdict(self)
         d["shape_corrections"] = {  # lists, not tuples: YAML's safe dumper writes lists only
             k: {"tokens": [int(t) if t.is_integer() else t for t in c.tokens], "log_ratio": list(c.log_ratio)}
+            | ({"tile_tokens": c.tile_tokens} if c.tile_tokens else {})
             for k, c in self.shape_corrections.items()
         }
         return d
@@ -276,7 +289,7 @@ class HardwareSpec:
                     k: v if isinstance(v, ShapeCorrection) else ShapeCorrection(**v) for k, v in corr.items()
                 }
             except TypeError as e:
-                raise ValueError(f"shape_corrections: {e} (fields: tokens, log_ratio)") from None
+                raise ValueError(f"shape_corrections: {e} (fields: tokens, log_ratio, tile_tokens)") from None
             except ValueError as e:
                 raise ValueError(f"shape_corrections: {e}") from None
         try:
