@@ -182,6 +182,27 @@ def test_amx_switch(monkeypatch):
     assert lib is not None and not lib.amx  # the float32-query build has no AMX path
 
 
+def test_a_compiler_without_amx_builds_the_portable_kernel(monkeypatch, tmp_path):
+    """A compiler that rejects the AMX flags: the portable kernel alone is built (the failure is
+    remembered, so later processes do not retry it) and bf16 attention still runs."""
+    import shutil
+
+    cc = tmp_path / "cc"
+    real = shutil.which("gcc") or shutil.which("cc")
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -mamx-tile ] && exit 1; done\nexec {real} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("KVBALANCE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_libs", {})
+    lib = native.native_library(3, 64, torch.bfloat16, torch.bfloat16)
+    assert lib is not None and not lib.amx and not native.has_amx()
+    assert len(list((tmp_path / "cache" / "native").glob("*_amx_*.failed"))) == 1
+    q, k, v, table, ctx = _bf16_case(9, 3, 64, 64, [3, 70])
+    ref = _reference(q.double(), k.double(), v.double(), table, ctx, 0.125)
+    out = native.paged_decode_attention(q, k, v, table, ctx, 0.125)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=2**-8)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_write_kv_equals_index_copy_from_strided_rows(dtype):
     g = torch.Generator().manual_seed(3)

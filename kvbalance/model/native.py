@@ -14,12 +14,19 @@ while the current one is used. On the 2-core development machine it reads the ca
 9 GB/s on one thread (a plain single-thread read of memory runs at 10-11 GB/s), 3x the
 previous kernel.
 
+Where the CPU has AMX-BF16 and both the queries and the cache are bfloat16 (a bf16 model), the
+scores come from AMX tile products read straight from the cache rows and each thread runs its
+sequences as one pipeline (the next window of keys prefetched and scored while this one is
+weighted): :mod:`kvbalance.model.native_amx`. The portable kernel stays the path everywhere else,
+and ``KVBALANCE_NATIVE_AMX=0`` (or ``amx=False``) keeps it on an AMX machine too.
+
 It is compiled with the system C compiler on first use for each shape (~2 CPU seconds, cached by
 source hash in ``$KVBALANCE_CACHE`` or ``~/.cache/kvbalance``) and loaded with ctypes; where no
 compiler is available (it needs GCC >= 12 or Clang for ``__builtin_shufflevector``), or
 ``KVBALANCE_NATIVE=0``, callers fall back to the PyTorch path. The cache is float32 or bfloat16 (a
 bf16 cache is widened to float32 in registers as it is read: half the bytes, the same float32
-arithmetic); the head dim must be a multiple of 16.
+arithmetic); the head dim must be a multiple of 16. The C source is in
+:mod:`kvbalance.model.native_src` and :mod:`kvbalance.model.native_amx`.
 """
 
 from __future__ import annotations
@@ -67,6 +74,9 @@ def _compile(cc: str, flags: list[str], name: str) -> Path | None:
     """The shared library for these flags, compiled once (cached by source and flags), or None."""
     tag = hashlib.sha256((_SOURCE + " ".join(flags) + cc).encode()).hexdigest()[:16]
     out = _cache_dir() / f"{name}_{tag}.so"
+    failed = out.with_suffix(".failed")  # e.g. no AMX in this compiler: not retried by every process
+    if failed.exists():
+        return None
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -75,6 +85,7 @@ def _compile(cc: str, flags: list[str], name: str) -> Path | None:
             so = Path(tmp) / "paged_attention.so"
             proc = subprocess.run([cc, *flags, str(src), "-o", str(so)], capture_output=True, text=True)
             if proc.returncode != 0:
+                failed.write_text(proc.stderr[-4000:])
                 return None
             os.replace(so, out)  # atomic: concurrent builders never load a half-written file
     return out
