@@ -86,10 +86,121 @@ def test_bfloat16_cache_is_widened_exactly(group, head_dim, block_size):
     ref = _reference(q.double(), k.double(), v.double(), table, ctx, scale)
     torch.testing.assert_close(out.double(), ref, atol=3e-5, rtol=1e-4)
     # bf16 queries (a bf16 model): widened in, the float32 result rounded once on the way out
-    out16 = native.paged_decode_attention(q.bfloat16(), k, v, table, ctx, scale)
+    out16 = native.paged_decode_attention(q.bfloat16(), k, v, table, ctx, scale, amx=False)
     assert out16.dtype == torch.bfloat16
     expected = native.paged_decode_attention(q.bfloat16().float(), k, v, table, ctx, scale).bfloat16()
     assert torch.equal(out16, expected)
+
+
+needs_amx = pytest.mark.skipif(not native.has_amx(), reason="no AMX-BF16 here: the portable path only")
+
+
+def _bf16_case(seed, group, head_dim, block_size, ctx, kvh=2, peaked=False):
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.tensor(ctx)
+    max_blocks = int((ctx.max() + block_size - 1) // block_size)
+    num_blocks = len(ctx) * max_blocks + 3
+    k = torch.randn(kvh, num_blocks, block_size, head_dim, generator=g)
+    if peaked:  # later blocks score higher: every window rescales the running softmax
+        k = k + torch.linspace(0, 6, num_blocks)[None, :, None, None]
+    v = torch.randn(kvh, num_blocks, block_size, head_dim, generator=g)
+    table = torch.randperm(num_blocks, generator=g)[: len(ctx) * max_blocks].view(len(ctx), max_blocks)
+    q = torch.randn(len(ctx), kvh, group, head_dim, generator=g)
+    if peaked:
+        q = 4 * q.abs()
+    return q.bfloat16(), k.bfloat16(), v.bfloat16(), table, ctx
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "group, head_dim, block_size, ctx",
+    [
+        (3, 64, 64, [1, 15, 16, 17, 63, 64, 65, 200, 256, 257, 700]),  # SmolLM2; windows of 256 keys
+        (1, 32, 16, [1, 5, 16, 33, 300]),
+        (4, 128, 32, [2, 31, 97, 600]),
+        (3, 64, 128, [100, 129, 513]),  # a block longer than half a window
+    ],
+)
+def test_amx_scores_match_the_float64_reference(group, head_dim, block_size, ctx):
+    """The AMX path (bf16 x bf16 products exact, float32 sums): within one bf16 rounding of the output
+    of the float32 path over the same bf16 inputs and of a float64 reference."""
+    q, k, v, table, ctx = _bf16_case(4, group, head_dim, block_size, ctx)
+    scale = head_dim**-0.5
+    out = native.paged_decode_attention(q, k, v, table, ctx, scale, amx=True)
+    assert out.dtype == torch.bfloat16
+    fp32 = native.paged_decode_attention(q.float(), k, v, table, ctx, scale, amx=False)
+    torch.testing.assert_close(out.float(), fp32, atol=1e-5, rtol=2**-8)
+    ref = _reference(q.double(), k.double(), v.double(), table, ctx, scale)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=2**-8)
+    widened = native.paged_decode_attention(q, k, v, table, ctx, scale, amx=False)
+    assert (out != widened).float().mean() < 0.01  # bf16 ties aside, the two paths round alike
+
+
+@needs_amx
+def test_amx_rescales_across_windows_and_takes_any_scale():
+    """Scores rising block after block (each 256-key window rescales the accumulators), weights that
+    underflow, and a scale that is not a power of two (applied to the float32 scores)."""
+    q, k, v, table, ctx = _bf16_case(5, 3, 64, 64, [1, 65, 300, 1000, 1500], kvh=3, peaked=True)
+    for scale in (0.125, 0.1):
+        out = native.paged_decode_attention(q, k, v, table, ctx, scale, amx=True)
+        ref = _reference(q.double(), k.double(), v.double(), table, ctx, scale)
+        torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=2**-8)
+
+
+@needs_amx
+def test_amx_falls_back_where_blocks_are_not_16_rows():
+    """Block sizes off the 16-row tile take the portable path (a tile would read past the block)."""
+    q, k, v, table, ctx = _bf16_case(6, 3, 64, 8, [1, 7, 9, 40])
+    out = native.paged_decode_attention(q, k, v, table, ctx, 0.125, amx=True)
+    assert torch.equal(out, native.paged_decode_attention(q, k, v, table, ctx, 0.125, amx=False))
+
+
+@needs_amx
+def test_amx_threads_split_the_units_and_agree():
+    """Each thread takes a contiguous run of (sequence, head) units of about equal keys: any thread
+    count gives the one-thread result exactly (every unit is computed the same way)."""
+    q, k, v, table, ctx = _bf16_case(8, 3, 64, 64, [1, 900, 5, 64, 300, 2, 1000], kvh=3)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.paged_decode_attention(q, k, v, table, ctx, 0.125, amx=True)
+        for n in (2, 3, 5):
+            torch.set_num_threads(n)
+            assert torch.equal(native.paged_decode_attention(q, k, v, table, ctx, 0.125, amx=True), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_amx_switch(monkeypatch):
+    """``KVBALANCE_NATIVE_AMX=0`` keeps the portable path; float32 queries never take the AMX path."""
+    monkeypatch.setenv("KVBALANCE_NATIVE_AMX", "0")
+    assert not native.has_amx()
+    q, k, v, table, ctx = _bf16_case(7, 3, 64, 64, [70, 130])
+    out = native.paged_decode_attention(q, k, v, table, ctx, 0.125)
+    assert torch.equal(out, native.paged_decode_attention(q, k, v, table, ctx, 0.125, amx=False))
+    lib = native.native_library(3, 64, torch.bfloat16, torch.float32)
+    assert lib is not None and not lib.amx  # the float32-query build has no AMX path
+
+
+def test_a_compiler_without_amx_builds_the_portable_kernel(monkeypatch, tmp_path):
+    """A compiler that rejects the AMX flags: the portable kernel alone is built (the failure is
+    remembered, so later processes do not retry it) and bf16 attention still runs."""
+    import shutil
+
+    cc = tmp_path / "cc"
+    real = shutil.which("gcc") or shutil.which("cc")
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -mamx-tile ] && exit 1; done\nexec {real} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("KVBALANCE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_libs", {})
+    lib = native.native_library(3, 64, torch.bfloat16, torch.bfloat16)
+    assert lib is not None and not lib.amx and not native.has_amx()
+    assert len(list((tmp_path / "cache" / "native").glob("*_amx_*.failed"))) == 1
+    q, k, v, table, ctx = _bf16_case(9, 3, 64, 64, [3, 70])
+    ref = _reference(q.double(), k.double(), v.double(), table, ctx, 0.125)
+    out = native.paged_decode_attention(q, k, v, table, ctx, 0.125)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=2**-8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
