@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbalance.perf.fit_cv import sample_keys
-from kvbalance.perf.fit_errors import ClassError, op_class, rel_error_rows
+from kvbalance.perf.fit_errors import ClassError, op_class, point_record, rel_error_rows
 from kvbalance.perf.fit_floor import (
     FLOOR_BOUND,
     ClassFloor,
@@ -77,17 +77,10 @@ def _failures(samples, pred, err_q, floors, quantum_s, bound) -> list[dict]:
     bad = np.flatnonzero(err_q >= bound)
     bad = bad[np.argsort(-err_q[bad], kind="stable")]
     return [
-        {
-            "class": op_class(samples[i]),
-            "model": samples[i].shape.model,
-            "op": samples[i].profile_op,
-            "tp": samples[i].tp,
-            "num_tokens": samples[i].num_tokens,
-            "measured_s": float(meas[i]),
+        point_record(samples[i], meas[i], pred[i])
+        | {
             "min_s": samples[i].min_s,
             "max_s": samples[i].max_s,
-            "predicted_s": float(pred[i]),
-            "rel_error": float(pred[i] / meas[i] - 1.0),
             "resolution_aware_error": float(err_q[i]),
             "measured_quanta": float(meas[i] / quantum_s),
             "inside_repeats": bool(inside[i]),

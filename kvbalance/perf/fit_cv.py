@@ -20,7 +20,7 @@ import numpy as np
 
 from kvbalance.perf.correction import build_corrections, evaluate, loo_group_log_ratio, loo_point_log_ratio
 from kvbalance.perf.cost import CostModel, op_time
-from kvbalance.perf.fit_errors import ClassError, op_class, operator_errors
+from kvbalance.perf.fit_errors import ClassError, operator_errors, point_record
 from kvbalance.perf.profiles import OperatorSample
 from kvbalance.specs import HardwareSpec, ShapeCorrection
 
@@ -81,19 +81,7 @@ class CorrectionFit:
         rel = self.loo_point_s / meas - 1.0
         bad = np.flatnonzero(np.abs(rel) > bound)
         bad = bad[np.argsort(-np.abs(rel[bad]))]
-        return [
-            {
-                "class": op_class(samples[i]),
-                "model": samples[i].shape.model,
-                "op": samples[i].profile_op,
-                "tp": samples[i].tp,
-                "num_tokens": samples[i].num_tokens,
-                "measured_s": float(meas[i]),
-                "predicted_s": float(self.loo_point_s[i]),
-                "rel_error": float(rel[i]),
-            }  # fmt: skip
-            for i in bad
-        ]
+        return [point_record(samples[i], meas[i], self.loo_point_s[i]) for i in bad]
 
 
 def physical_times(samples: Sequence[OperatorSample], hw: HardwareSpec) -> np.ndarray:

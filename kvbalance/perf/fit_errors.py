@@ -26,6 +26,20 @@ def op_class(sample: OperatorSample) -> str:
     return elementwise_class(sample.op, sample.shape.model_spec().arch)
 
 
+def point_record(sample: OperatorSample, measured_s: float, predicted_s: float) -> dict:
+    """One scored point as the reports list it: what was measured, where, and what was predicted."""
+    return {
+        "class": op_class(sample),
+        "model": sample.shape.model,
+        "op": sample.profile_op,
+        "tp": sample.tp,
+        "num_tokens": sample.num_tokens,
+        "measured_s": float(measured_s),
+        "predicted_s": float(predicted_s),
+        "rel_error": float(predicted_s / measured_s - 1.0),
+    }
+
+
 @dataclass
 class ClassError:
     """Relative error |pred / meas - 1| of one operator class over one token range."""
