@@ -32,75 +32,34 @@ arithmetic); the head dim must be a multiple of 16. The C source is in
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
-from pathlib import Path
 
 import torch
 
+from kvbalance.model import cbuild
 from kvbalance.model.native_amx import AMX_SOURCE
 from kvbalance.model.native_src import ENTRY_SOURCE, KERNEL_SOURCE
 
 _SOURCE = KERNEL_SOURCE + AMX_SOURCE + ENTRY_SOURCE
-_AMX_FLAGS = ["-DHAVE_AMX=1", "-mamx-tile", "-mamx-bf16"]
+_AMX_FLAGS = ("-DHAVE_AMX=1", "-mamx-tile", "-mamx-bf16")
 
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
-_FLAGS = [
-    "-O3",
-    "-march=native",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-ffp-contract=fast",
-    "-funroll-loops",
-    "-fopenmp",
-    "-fPIC",
-    "-shared",
-]
+_FLAGS = (*cbuild.DEFAULT_FLAGS, "-ffp-contract=fast")
 _lock = threading.Lock()
 _libs: dict[tuple[int, int, bool, bool], ctypes.CDLL | None] = {}
 KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("KVBALANCE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kvbalance")
-    return Path(base) / "native"
-
-
-def _compile(cc: str, flags: list[str], name: str) -> Path | None:
-    """The shared library for these flags, compiled once (cached by source and flags), or None."""
-    tag = hashlib.sha256((_SOURCE + " ".join(flags) + cc).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"{name}_{tag}.so"
-    failed = out.with_suffix(".failed")  # e.g. no AMX in this compiler: not retried by every process
-    if failed.exists():
-        return None
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            src = Path(tmp) / "paged_attention.c"
-            src.write_text(_SOURCE)
-            so = Path(tmp) / "paged_attention.so"
-            proc = subprocess.run([cc, *flags, str(src), "-o", str(so)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                failed.write_text(proc.stderr[-4000:])
-                return None
-            os.replace(so, out)  # atomic: concurrent builders never load a half-written file
-    return out
-
-
 def _build(group: int, head_dim: int, kv_bf16: bool, io_bf16: bool) -> ctypes.CDLL | None:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        return None
-    types = [f"-DKV_BF16={int(kv_bf16)}", f"-DIO_BF16={int(io_bf16)}"]
-    flags = [*_FLAGS, f"-DGROUP={group}", f"-DNVEC={head_dim // 16}", *types]
+    types = (f"-DKV_BF16={int(kv_bf16)}", f"-DIO_BF16={int(io_bf16)}")
+    flags = (*_FLAGS, f"-DGROUP={group}", f"-DNVEC={head_dim // 16}", *types)
     kind = "".join("b" if x else "f" for x in (kv_bf16, io_bf16))
     name = f"paged_attention_g{group}_d{head_dim}_{kind}"
     # the AMX path where the compiler knows AMX (and AVX-512); the portable kernel alone otherwise
-    out = _compile(cc, [*flags, *_AMX_FLAGS], name + "_amx") or _compile(cc, [*flags, "-DHAVE_AMX=0"], name)
+    out = cbuild.build(name + "_amx", _SOURCE, (*flags, *_AMX_FLAGS), remember_failure=True) or cbuild.build(
+        name, _SOURCE, (*flags, "-DHAVE_AMX=0")
+    )
     if out is None:
         return None
     lib = ctypes.CDLL(str(out))
@@ -131,7 +90,7 @@ def native_library(
     with _lock:
         if key not in _libs:
             lib = None
-            if os.environ.get("KVBALANCE_NATIVE", "1") != "0" and _supported_shape(*key[:2]):
+            if cbuild.native_enabled() and _supported_shape(*key[:2]):
                 try:
                     lib = _build(*key)
                 except OSError:

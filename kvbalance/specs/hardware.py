@@ -128,6 +128,18 @@ class ShapeCorrection:
         object.__setattr__(self, "tile_tokens", tile)
 
 
+def _typed_mapping(name: str, raw: Any, item_cls: type) -> dict[str, Any]:
+    """``raw`` (a mapping of name -> ``item_cls`` or its fields) as ``item_cls`` values; errors name ``name``."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{name}: expected a mapping, got {type(raw).__name__}")
+    try:
+        return {k: v if isinstance(v, item_cls) else item_cls(**v) for k, v in raw.items()}
+    except TypeError as e:
+        raise ValueError(f"{name}: {e} (fields: {', '.join(f.name for f in fields(item_cls))})") from None
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
+
+
 @dataclass(frozen=True)
 class HardwareSpec:
     """One accelerator (or a CPU): peaks, capacity, efficiency curves and fixed overheads.
@@ -268,30 +280,9 @@ class HardwareSpec:
             d["tp_link"] = LinkSpec(**link)
         if "mem_capacity_bytes" in d:
             d["mem_capacity_bytes"] = int(d["mem_capacity_bytes"])
-        curves = d.get("elementwise_curves")
-        if curves is not None:
-            if not isinstance(curves, dict):
-                raise ValueError(f"elementwise_curves: expected a mapping, got {type(curves).__name__}")
-            try:
-                d["elementwise_curves"] = {
-                    k: v if isinstance(v, MemoryCurve) else MemoryCurve(**v) for k, v in curves.items()
-                }
-            except TypeError as e:
-                raise ValueError(
-                    f"elementwise_curves: {e} (fields: {', '.join(f.name for f in fields(MemoryCurve))})"
-                ) from None
-        corr = d.get("shape_corrections")
-        if corr is not None:
-            if not isinstance(corr, dict):
-                raise ValueError(f"shape_corrections: expected a mapping, got {type(corr).__name__}")
-            try:
-                d["shape_corrections"] = {
-                    k: v if isinstance(v, ShapeCorrection) else ShapeCorrection(**v) for k, v in corr.items()
-                }
-            except TypeError as e:
-                raise ValueError(f"shape_corrections: {e} (fields: tokens, log_ratio, tile_tokens)") from None
-            except ValueError as e:
-                raise ValueError(f"shape_corrections: {e}") from None
+        for name, item_cls in (("elementwise_curves", MemoryCurve), ("shape_corrections", ShapeCorrection)):
+            if d.get(name) is not None:
+                d[name] = _typed_mapping(name, d[name], item_cls)
         try:
             return cls(**d)
         except TypeError as e:  # a required field is missing
