@@ -19,6 +19,7 @@ Run pinned to one core: taskset -c 1 .venv/bin/python benchmarks/bench_prefill_a
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import time
@@ -80,14 +81,15 @@ def _best_ms(fn, repeats: int) -> float:
 
 def kernel_table(repeats: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    print(f"{'q_start':>7} {'n':>5} | {'SDPA ms':>8} {'GFLOP/s':>8} | {'kernel ms':>9} {'GFLOP/s':>8} | speedup")
+    print(
+        f"{'q_start':>7} {'n':>5} | {'SDPA ms':>8} {'GFLOP/s':>8} | {'kernel ms':>9} {'GFLOP/s':>8} | speedup"
+    )
     for q_start, n in CASES:
         q, k, v, kc, vc, table, bias = _setup(q_start, n, gen)
         flops = HEADS * 4 * HEAD_DIM * (n * q_start + n * (n + 1) / 2)
-        t_sdpa = _best_ms(lambda: _sdpa(q, k, v, kc, vc, table, bias, q_start), repeats)
-        t_kern = _best_ms(
-            lambda: native_prefill.paged_prefill_attention(q, kc, vc, table, q_start, SCALE), repeats
-        )
+        t_sdpa = _best_ms(functools.partial(_sdpa, q, k, v, kc, vc, table, bias, q_start), repeats)
+        kernel = functools.partial(native_prefill.paged_prefill_attention, q, kc, vc, table, q_start, SCALE)
+        t_kern = _best_ms(kernel, repeats)
         g_sdpa, g_kern = flops / t_sdpa / 1e6, flops / t_kern / 1e6
         print(
             f"{q_start:>7} {n:>5} | {t_sdpa:>8.2f} {g_sdpa:>8.0f} | {t_kern:>9.2f} {g_kern:>8.0f} |"

@@ -1,0 +1,298 @@
+"""C source of the AMX flash-attention prefill kernel (:mod:`kvbalance.model.native_prefill` explains the
+algorithm and loads it). Compile-time switches: ``-DPSPLIT=0`` rounds the weights P to one bf16 each (as
+torch's CPU flash kernel does; ~15-20% faster, but it flipped a 0.05-margin greedy token of the real
+SmolLM2 in tests/test_bf16.py), ``-DTAU=0.0f`` rescales at every new maximum (~10-20% slower).
+"""
+
+PREFILL_SOURCE = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define D 64
+#define KB 64 /* keys per softmax block */
+#ifndef PSPLIT
+#define PSPLIT 1 /* P as bf16 + bf16 residual: float32-accurate weights */
+#endif
+#ifndef TAU
+#define TAU 8.0f /* conditional rescaling: weights stay <= 2^TAU */
+#endif
+
+/* asm tile loads and stores the compiler keeps in order (see native_amx.py); BARRIER where C code
+   and tiles meet in memory */
+#define TL_(t, base, stride) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t : : "r"(base), "r"((long)(stride)))
+#define TS_(t, base, stride) __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" : : "r"(base), "r"((long)(stride)))
+#define TL(t, b, s) TL_(t, b, s)
+#define TS(t, b, s) TS_(t, b, s)
+#define BARRIER() __asm__ volatile("" : : : "memory")
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+int amx_available(void) {
+    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512f")) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+
+/* every tile 16 rows x 64 bytes: 0, 1 Q^T (B), 2 scores (C), 3 K rows (A), 4..7 O^T (C) */
+static void amx_configure(void) {
+    tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    __asm__ volatile("ldtilecfg %0" : : "m"(c));
+}
+
+/* 2^x for finite x (very negative x -> 0) */
+static inline __m512 exp2v(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+typedef struct {
+    const uint16_t *q, *k, *v;
+    const int64_t *tab;
+    uint16_t *vt, *out;
+    int64_t qs, os, n, q_start, ctx, heads, group, nb, bs, lps;
+    float c2; /* scale * log2(e) */
+} args_t;
+
+/* V^T of keys j0 .. j0 + 63 of KV head kh into the scratch rows (zero past the context) */
+static void transpose_v(const args_t *a, int64_t kh, int64_t j0) {
+    uint16_t *vt = a->vt + kh * D * a->lps;
+    for (int64_t j = j0; j < j0 + KB; j++) {
+        if (j >= a->ctx) {
+            for (int d = 0; d < D; d++) vt[d * a->lps + j] = 0;
+            continue;
+        }
+        const uint16_t *row = a->v + ((kh * a->nb + a->tab[j / a->bs]) * a->bs + j % a->bs) * D;
+        for (int d = 0; d < D; d++) vt[d * a->lps + j] = row[d];
+    }
+}
+
+/* lanes (queries at p0 + lane) that may attend key j */
+static inline __mmask16 allowed(int64_t j, int64_t p0, int64_t ctx) {
+    if (j >= ctx) return 0;
+    if (j <= p0) return 0xFFFF;
+    return j - p0 >= 16 ? 0 : (__mmask16)(0xFFFFu << (j - p0));
+}
+
+/* raw scores of keys j .. j + 15 (K rows in place, the A tile) x the 16 queries (tiles 0, 1) into dst */
+static inline void score_rows(const args_t *a, const uint16_t *kbase, int64_t j, float *dst) {
+    if (j >= a->ctx) return; /* rows past the context: masked in block_max */
+    const uint16_t *kr = kbase + (a->tab[j / a->bs] * a->bs + j % a->bs) * D;
+    _tile_zero(2);
+    TL(3, kr, 2 * D);
+    _tile_dpbf16ps(2, 3, 0);
+    TL(3, kr + 32, 2 * D);
+    _tile_dpbf16ps(2, 3, 1);
+    TS(2, dst, 64);
+}
+
+/* The block's maximum (masking keys a lane may not attend: past the context or the lane's position),
+   the running maximum m2 raised where it exceeds it by more than TAU, and the correction of l and of
+   the accumulators (all ones, *rescale = 0: none). */
+static __m512 block_max(float (*s)[16], int64_t rows, int64_t j0, int64_t p0, const args_t *a, __m512 *m2,
+                        __m512 *l, int *rescale) {
+    const __m512 low = _mm512_set1_ps(-3.0e38f), c2 = _mm512_set1_ps(a->c2);
+    const int masked = j0 + rows > (p0 + 1 < a->ctx ? p0 + 1 : a->ctx);
+    __m512 bm0 = low, bm1 = low;
+    for (int64_t r = 0; r < rows; r += 2) {
+        __m512 x0 = _mm512_load_ps(s[r]), x1 = _mm512_load_ps(s[r + 1]);
+        if (masked) {
+            x0 = _mm512_mask_mov_ps(low, allowed(j0 + r, p0, a->ctx), x0);
+            x1 = _mm512_mask_mov_ps(low, allowed(j0 + r + 1, p0, a->ctx), x1);
+            _mm512_store_ps(s[r], x0);
+            _mm512_store_ps(s[r + 1], x1);
+        }
+        bm0 = _mm512_max_ps(bm0, x0);
+        bm1 = _mm512_max_ps(bm1, x1);
+    }
+    const __m512 bm = _mm512_mul_ps(_mm512_max_ps(bm0, bm1), c2);
+    const __mmask16 up = _mm512_cmp_ps_mask(bm, _mm512_add_ps(*m2, _mm512_set1_ps(TAU)), _CMP_GT_OQ);
+    *rescale = up != 0;
+    if (!up) return _mm512_set1_ps(1.0f);
+    const __m512 mn = _mm512_mask_mov_ps(*m2, up, bm);
+    const __m512 corr = exp2v(_mm512_sub_ps(*m2, mn));
+    *l = _mm512_mul_ps(*l, corr);
+    *m2 = mn;
+    return corr;
+}
+
+/* The weights 2^(c2 s - m2) of rows s[0 .. rows) into pt (bf16 key pairs, the B layout), summed into
+   l; the next block's scores (nsub row groups from key j1, into nxt) computed in between, so the tile
+   unit works while the vector units do. */
+static void block_weights(float (*s)[16], int64_t rows, const args_t *a, __m512 m2, __m512 *l,
+                          uint32_t (*pt)[16], const uint16_t *kbase, int64_t j1, int64_t nsub, float (*nxt)[16]) {
+    const __m512 c2 = _mm512_set1_ps(a->c2);
+    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                           22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (int64_t r = 0; r < rows; r += 2) {
+        if ((r & 15) == 0 && t < nsub) {
+            score_rows(a, kbase, j1 + 16 * t, nxt[16 * t]);
+            t++;
+        }
+        const __m512 p0v = exp2v(_mm512_fmsub_ps(_mm512_load_ps(s[r]), c2, m2));
+        const __m512 p1v = exp2v(_mm512_fmsub_ps(_mm512_load_ps(s[r + 1]), c2, m2));
+        sum0 = _mm512_add_ps(sum0, p0v);
+        sum1 = _mm512_add_ps(sum1, p1v);
+        const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(p1v, p0v); /* keys r (low half), r + 1 */
+        _mm512_store_si512(pt[r / 2], _mm512_permutexvar_epi16(inter, b));
+#if PSPLIT
+        const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16));
+        const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16));
+        const __m512i bl = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1v, h1), _mm512_sub_ps(p0v, h0));
+        _mm512_store_si512(pt[KB / 2 + r / 2], _mm512_permutexvar_epi16(inter, bl));
+#endif
+    }
+    for (; t < nsub; t++) score_rows(a, kbase, j1 + 16 * t, nxt[16 * t]);
+    *l = _mm512_add_ps(*l, _mm512_add_ps(sum0, sum1));
+}
+
+static inline int64_t block_rows(int64_t j0, int64_t limit) { /* score rows of the block at j0 */
+    const int64_t nk = limit - j0 < KB ? limit - j0 : KB;
+    return j0 < limit ? (nk + 31) / 32 * 32 : 0;
+}
+
+/* O^T += V^T P^T over the block's rows (32 keys a step) into accumulator tiles 4 .. 7 */
+static inline void block_pv(const uint16_t *vt, int64_t lps, int64_t rows, uint32_t (*pt)[16]) {
+    const int64_t vstride = 2 * lps;
+    for (int64_t c = 0; c < rows / 32; c++) {
+        const uint16_t *vc = vt + 32 * c;
+#if PSPLIT
+        TL(0, pt[16 * c], 64);
+        TL(1, pt[KB / 2 + 16 * c], 64);
+        TL(2, vc, vstride);
+        _tile_dpbf16ps(4, 2, 0);
+        _tile_dpbf16ps(4, 2, 1);
+        TL(3, vc + 16 * lps, vstride);
+        _tile_dpbf16ps(5, 3, 0);
+        _tile_dpbf16ps(5, 3, 1);
+        TL(2, vc + 32 * lps, vstride);
+        _tile_dpbf16ps(6, 2, 0);
+        _tile_dpbf16ps(6, 2, 1);
+        TL(3, vc + 48 * lps, vstride);
+        _tile_dpbf16ps(7, 3, 0);
+        _tile_dpbf16ps(7, 3, 1);
+#else
+        TL(0, pt[16 * c], 64);
+        TL(1, vc, vstride);
+        _tile_dpbf16ps(4, 1, 0);
+        TL(2, vc + 16 * lps, vstride);
+        _tile_dpbf16ps(5, 2, 0);
+        TL(3, vc + 32 * lps, vstride);
+        _tile_dpbf16ps(6, 3, 0);
+        TL(1, vc + 48 * lps, vstride);
+        _tile_dpbf16ps(7, 1, 0);
+#endif
+    }
+}
+
+static inline void store_acc(float (*ob)[16]) {
+    TS(4, ob[0], 64);
+    TS(5, ob[16], 64);
+    TS(6, ob[32], 64);
+    TS(7, ob[48], 64);
+    BARRIER();
+}
+
+static inline void load_acc(float (*ob)[16]) {
+    BARRIER();
+    TL(4, ob[0], 64);
+    TL(5, ob[16], 64);
+    TL(6, ob[32], 64);
+    TL(7, ob[48], 64);
+}
+
+/* 16 queries i0 .. of head h */
+static void attend_unit(const args_t *a, int64_t h, int64_t i0) {
+    uint32_t qt[2][16][16] __attribute__((aligned(64)));
+    float s[2][KB][16] __attribute__((aligned(64)));
+    uint32_t pt[KB][16] __attribute__((aligned(64))); /* weights; with PSPLIT their residuals after */
+    float ob[D][16] __attribute__((aligned(64)));
+    const int64_t nq = a->n - i0 < 16 ? a->n - i0 : 16, p0 = a->q_start + i0, kh = h / a->group;
+    memset(qt, 0, sizeof qt);
+    for (int64_t lane = 0; lane < nq; lane++) {
+        const uint32_t *w = (const uint32_t *)(a->q + (i0 + lane) * a->qs + h * D);
+        for (int sl = 0; sl < 2; sl++)
+            for (int k = 0; k < 16; k++) qt[sl][k][lane] = w[16 * sl + k];
+    }
+    const uint16_t *kbase = a->k + kh * a->nb * a->bs * D, *vt = a->vt + kh * D * a->lps;
+    const int64_t limit = a->ctx < p0 + 16 ? a->ctx : p0 + 16;
+    __m512 m2 = _mm512_set1_ps(-1.0e30f), l = _mm512_setzero_ps();
+    BARRIER();
+    TL(0, qt[0], 64);
+    TL(1, qt[1], 64);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t t = 0; t < block_rows(0, limit) / 16; t++) score_rows(a, kbase, 16 * t, s[0][16 * t]);
+    for (int64_t j0 = 0, b = 0; j0 < limit; j0 += KB, b++) {
+        const int64_t rows = block_rows(j0, limit);
+        BARRIER();
+        int rescale;
+        const __m512 corr = block_max(s[b & 1], rows, j0, p0, a, &m2, &l, &rescale);
+        if (rescale && j0 > 0) {
+            store_acc(ob);
+            for (int d = 0; d < D; d++) _mm512_store_ps(ob[d], _mm512_mul_ps(_mm512_load_ps(ob[d]), corr));
+            load_acc(ob);
+        }
+        block_weights(s[b & 1], rows, a, m2, &l, pt, kbase, j0 + KB, block_rows(j0 + KB, limit) / 16,
+                      s[(b + 1) & 1]);
+        BARRIER();
+        block_pv(vt + j0, a->lps, rows, pt);
+        TL(0, qt[0], 64);
+        TL(1, qt[1], 64);
+    }
+    store_acc(ob);
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
+    uint16_t row[16] __attribute__((aligned(32)));
+    for (int d = 0; d < D; d++) {
+        _mm256_store_si256((__m256i *)row, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(ob[d]), inv)));
+        for (int64_t lane = 0; lane < nq; lane++) a->out[(i0 + lane) * a->os + h * D + d] = row[lane];
+    }
+}
+
+/* returns 0, or -1 where the scratch could not be allocated */
+int paged_prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, const uint16_t *v,
+                            const int64_t *tab, uint16_t *out, int64_t os, int64_t n, int64_t q_start,
+                            int64_t heads, int64_t kvh, int64_t nb, int64_t bs, float scale, int threads) {
+    const int64_t ctx = q_start + n, lp = (ctx + KB - 1) / KB * KB;
+    args_t a = {q, k, v, tab, NULL, out, qs, os, n, q_start, ctx, heads, heads / kvh, nb, bs, lp + 32,
+                scale * 1.4426950408889634f};
+    a.vt = aligned_alloc(64, (size_t)(kvh * D * a.lps * 2));
+    if (a.vt == NULL) return -1;
+    const int64_t nqb = (n + 15) / 16, units = heads * nqb, chunks = lp / KB;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < kvh * chunks; u++) transpose_v(&a, u / chunks, (u % chunks) * KB);
+        amx_configure();
+        /* the costliest units (last query blocks) first */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t u = 0; u < units; u++) attend_unit(&a, u % heads, (nqb - 1 - u / heads) * 16);
+    }
+    free(a.vt);
+    return 0;
+}
+"""
