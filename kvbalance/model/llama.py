@@ -514,6 +514,12 @@ class Attention(nn.Module):
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             return out.reshape(b, self.q_size).to(out_dtype)
         # one prefill chunk: [n, heads, hd] queries over its context, GQA without copying KV heads
+        from kvbalance.model import native_prefill  # here: this branch is all the kernel's change to llama.py
+
+        if native_prefill.can_use(q, self.k_cache, self.v_cache):  # CPU AMX: the paged cache in place
+            return native_prefill.paged_prefill_attention(
+                q, self.k_cache, self.v_cache, g.block_index, g.q_start, self.scale
+            ).to(out_dtype)
         n = g.max_q
         qp = q.to(dtype).transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
         if g.q_start == 0 and k_new is not None:
