@@ -15,7 +15,7 @@ PREFILL_SOURCE = r"""
 #define D 64
 #define KB 64 /* keys per softmax block */
 #ifndef PSPLIT
-#define PSPLIT 1 /* P as bf16 + bf16 residual: float32-accurate weights */
+#define PSPLIT 1 /* P as two bf16s: float32-accurate weights (2^-16 relative) */
 #endif
 #ifndef TAU
 #define TAU 8.0f /* conditional rescaling: weights stay <= 2^TAU */
@@ -56,8 +56,7 @@ static void amx_configure(void) {
 static inline __m512 exp2v(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f); /* Taylor, degree 5: 2.4e-6 relative error */
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
@@ -74,16 +73,17 @@ typedef struct {
     float c2; /* scale * log2(e) */
 } args_t;
 
-/* V^T of keys j0 .. j0 + 63 of KV head kh into the scratch rows (zero past the context) */
+/* V^T of keys j0 .. j0 + 63 of KV head kh into the scratch (zero past the context), 32 keys a chunk:
+   the chunk [64 dims][32 keys] is contiguous, four A tiles of 16 dims one after another */
 static void transpose_v(const args_t *a, int64_t kh, int64_t j0) {
     uint16_t *vt = a->vt + kh * D * a->lps;
     for (int64_t j = j0; j < j0 + KB; j++) {
         if (j >= a->ctx) {
-            for (int d = 0; d < D; d++) vt[d * a->lps + j] = 0;
+            for (int d = 0; d < D; d++) vt[(j / 32 * D + d) * 32 + j % 32] = 0;
             continue;
         }
         const uint16_t *row = a->v + ((kh * a->nb + a->tab[j / a->bs]) * a->bs + j % a->bs) * D;
-        for (int d = 0; d < D; d++) vt[d * a->lps + j] = row[d];
+        for (int d = 0; d < D; d++) vt[(j / 32 * D + d) * 32 + j % 32] = row[d];
     }
 }
 
@@ -140,8 +140,13 @@ static __m512 block_max(float (*s)[16], int64_t rows, int64_t j0, int64_t p0, co
    l; the next block's scores (nsub row groups from key j1, into nxt) computed in between, so the tile
    unit works while the vector units do. */
 static void block_weights(float (*s)[16], int64_t rows, const args_t *a, __m512 m2, __m512 *l,
-                          uint32_t (*pt)[16], const uint16_t *kbase, int64_t j1, int64_t nsub, float (*nxt)[16]) {
+                          uint32_t (*pt)[16], const uint16_t *kbase, int64_t j1, int64_t nsub, float (*nxt)[16],
+                          const uint16_t *vnext) {
     const __m512 c2 = _mm512_set1_ps(a->c2);
+    /* the upper halves of keys r, r + 1 interleaved (bf16 pairs) */
+    const __m512i halves = _mm512_set_epi16(63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51, 19, 49, 17, 47, 15,
+                                            45, 13, 43, 11, 41, 9, 39, 7, 37, 5, 35, 3, 33, 1);
+    const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
     const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
@@ -151,17 +156,26 @@ static void block_weights(float (*s)[16], int64_t rows, const args_t *a, __m512 
             score_rows(a, kbase, j1 + 16 * t, nxt[16 * t]);
             t++;
         }
+        if (j1 + KB + r + 1 < a->ctx) { /* into L1: the block after next's K rows r, r + 1, the next V^T */
+            const int64_t j = j1 + KB + r;
+            const char *kr = (const char *)(kbase + (a->tab[j / a->bs] * a->bs + j % a->bs) * D);
+            for (int o = 0; o < 256; o += 64) _mm_prefetch(kr + o, _MM_HINT_T0);
+        }
+        if (j1 + r < a->ctx)
+            for (int o = 0; o < 256; o += 64) _mm_prefetch((const char *)(vnext + r * D) + o, _MM_HINT_T0);
         const __m512 p0v = exp2v(_mm512_fmsub_ps(_mm512_load_ps(s[r]), c2, m2));
         const __m512 p1v = exp2v(_mm512_fmsub_ps(_mm512_load_ps(s[r + 1]), c2, m2));
         sum0 = _mm512_add_ps(sum0, p0v);
         sum1 = _mm512_add_ps(sum1, p1v);
+#if PSPLIT /* P = hi + lo: hi the upper half of each float32 (exact), lo the rest (rounded toward zero) */
+        const __m512 lo0 = _mm512_sub_ps(p0v, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p0v), top))),
+                     lo1 = _mm512_sub_ps(p1v, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p1v), top)));
+        _mm512_store_si512(pt[r / 2], _mm512_permutex2var_epi16(_mm512_castps_si512(p0v), halves, _mm512_castps_si512(p1v)));
+        _mm512_store_si512(pt[KB / 2 + r / 2],
+                           _mm512_permutex2var_epi16(_mm512_castps_si512(lo0), halves, _mm512_castps_si512(lo1)));
+#else /* P rounded to bf16, as torch does */
         const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(p1v, p0v); /* keys r (low half), r + 1 */
         _mm512_store_si512(pt[r / 2], _mm512_permutexvar_epi16(inter, b));
-#if PSPLIT
-        const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(b)), 16));
-        const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(b, 1)), 16));
-        const __m512i bl = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(p1v, h1), _mm512_sub_ps(p0v, h0));
-        _mm512_store_si512(pt[KB / 2 + r / 2], _mm512_permutexvar_epi16(inter, bl));
 #endif
     }
     for (; t < nsub; t++) score_rows(a, kbase, j1 + 16 * t, nxt[16 * t]);
@@ -174,10 +188,10 @@ static inline int64_t block_rows(int64_t j0, int64_t limit) { /* score rows of t
 }
 
 /* O^T += V^T P^T over the block's rows (32 keys a step) into accumulator tiles 4 .. 7 */
-static inline void block_pv(const uint16_t *vt, int64_t lps, int64_t rows, uint32_t (*pt)[16]) {
-    const int64_t vstride = 2 * lps;
+static inline void block_pv(const uint16_t *vt, int64_t rows, uint32_t (*pt)[16]) {
+    const int64_t vstride = 64, lps = 32;
     for (int64_t c = 0; c < rows / 32; c++) {
-        const uint16_t *vc = vt + 32 * c;
+        const uint16_t *vc = vt + 32 * D * c; /* the chunk's V^T: [64 dims][32 keys] */
 #if PSPLIT
         TL(0, pt[16 * c], 64);
         TL(1, pt[KB / 2 + 16 * c], 64);
@@ -258,9 +272,9 @@ static void attend_unit(const args_t *a, int64_t h, int64_t i0) {
             load_acc(ob);
         }
         block_weights(s[b & 1], rows, a, m2, &l, pt, kbase, j0 + KB, block_rows(j0 + KB, limit) / 16,
-                      s[(b + 1) & 1]);
+                      s[(b + 1) & 1], vt + (j0 + KB) * D);
         BARRIER();
-        block_pv(vt + j0, a->lps, rows, pt);
+        block_pv(vt + j0 * D, rows, pt);
         TL(0, qt[0], 64);
         TL(1, qt[1], 64);
     }
@@ -278,7 +292,7 @@ int paged_prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, co
                             const int64_t *tab, uint16_t *out, int64_t os, int64_t n, int64_t q_start,
                             int64_t heads, int64_t kvh, int64_t nb, int64_t bs, float scale, int threads) {
     const int64_t ctx = q_start + n, lp = (ctx + KB - 1) / KB * KB;
-    args_t a = {q, k, v, tab, NULL, out, qs, os, n, q_start, ctx, heads, heads / kvh, nb, bs, lp + 32,
+    args_t a = {q, k, v, tab, NULL, out, qs, os, n, q_start, ctx, heads, heads / kvh, nb, bs, lp,
                 scale * 1.4426950408889634f};
     a.vt = aligned_alloc(64, (size_t)(kvh * D * a.lps * 2));
     if (a.vt == NULL) return -1;
