@@ -136,12 +136,71 @@ static __m512 block_max(float (*s)[16], int64_t rows, int64_t j0, int64_t p0, co
     return corr;
 }
 
+/* O^T += V^T P^T for one chunk of 32 keys (V^T [64 dims][32 keys] at vc; weights pt[0 .. 16), with PSPLIT
+   their residuals at pt[KB / 2 ..]) into accumulator tiles 4 .. 7; tiles 0 .. 3 are overwritten */
+static inline void chunk_pv(const uint16_t *vc, uint32_t (*pt)[16]) {
+    TL(0, pt[0], 64);
+#if PSPLIT
+    TL(1, pt[KB / 2], 64);
+    TL(2, vc, 64);
+    TL(3, vc + 16 * 32, 64);
+    _tile_dpbf16ps(4, 2, 0);
+    _tile_dpbf16ps(5, 3, 0);
+    _tile_dpbf16ps(4, 2, 1);
+    _tile_dpbf16ps(5, 3, 1);
+    TL(2, vc + 32 * 32, 64);
+    TL(3, vc + 48 * 32, 64);
+    _tile_dpbf16ps(6, 2, 0);
+    _tile_dpbf16ps(7, 3, 0);
+    _tile_dpbf16ps(6, 2, 1);
+    _tile_dpbf16ps(7, 3, 1);
+#else
+    TL(1, vc, 64);
+    _tile_dpbf16ps(4, 1, 0);
+    TL(2, vc + 16 * 32, 64);
+    _tile_dpbf16ps(5, 2, 0);
+    TL(3, vc + 32 * 32, 64);
+    _tile_dpbf16ps(6, 3, 0);
+    TL(1, vc + 48 * 32, 64);
+    _tile_dpbf16ps(7, 1, 0);
+#endif
+}
+
+/* Tile work deferred into a block's exponentials: the next block's scores (nsub groups of 16 rows from
+   key j1, into nxt) and the previous block's weighted sum (chunks of 32 keys of V^T at vt, weights pt),
+   each followed by reloading the queries (tiles 0, 1) it needs. */
+typedef struct {
+    const uint16_t *kbase, *vt, *vnext;
+    uint32_t (*qt)[16][16];
+    float (*nxt)[16];
+    uint32_t (*pt)[16];
+    int64_t j1, nsub, chunks, t, c;
+} deferred_t;
+
+static inline void reload_queries(uint32_t (*qt)[16][16]) {
+    TL(0, qt[0], 64);
+    TL(1, qt[1], 64);
+}
+static inline void defer_score(const args_t *a, deferred_t *w) {
+    if (w->t < w->nsub) score_rows(a, w->kbase, w->j1 + 16 * w->t, w->nxt[16 * w->t]);
+    w->t++;
+}
+static inline void defer_pv(deferred_t *w) {
+    if (w->c >= w->chunks) return;
+    chunk_pv(w->vt + 32 * D * w->c, w->pt + 16 * w->c);
+    reload_queries(w->qt);
+    w->c++;
+}
+static inline void defer_finish(const args_t *a, deferred_t *w) {
+    while (w->c < w->chunks) defer_pv(w);
+    while (w->t < w->nsub) defer_score(a, w);
+}
+
 /* The weights 2^(c2 s - m2) of rows s[0 .. rows) into pt (bf16 key pairs, the B layout), summed into
-   l; the next block's scores (nsub row groups from key j1, into nxt) computed in between, so the tile
-   unit works while the vector units do. */
-static void block_weights(float (*s)[16], int64_t rows, const args_t *a, __m512 m2, __m512 *l,
-                          uint32_t (*pt)[16], const uint16_t *kbase, int64_t j1, int64_t nsub, float (*nxt)[16],
-                          const uint16_t *vnext) {
+   l, with the deferred tile work spread between them (so the tile unit works while the vector units
+   do) and the block after next's K rows and the next V^T prefetched into L1. */
+static void block_weights(float (*s)[16], int64_t rows, const args_t *a, __m512 m2, __m512 *l, uint32_t (*pt)[16],
+                          deferred_t *w) {
     const __m512 c2 = _mm512_set1_ps(a->c2);
     /* the upper halves of keys r, r + 1 interleaved (bf16 pairs) */
     const __m512i halves = _mm512_set_epi16(63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51, 19, 49, 17, 47, 15,
@@ -150,19 +209,16 @@ static void block_weights(float (*s)[16], int64_t rows, const args_t *a, __m512 
     const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
                                            22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-    int64_t t = 0;
     for (int64_t r = 0; r < rows; r += 2) {
-        if ((r & 15) == 0 && t < nsub) {
-            score_rows(a, kbase, j1 + 16 * t, nxt[16 * t]);
-            t++;
-        }
-        if (j1 + KB + r + 1 < a->ctx) { /* into L1: the block after next's K rows r, r + 1, the next V^T */
-            const int64_t j = j1 + KB + r;
-            const char *kr = (const char *)(kbase + (a->tab[j / a->bs] * a->bs + j % a->bs) * D);
+        if ((r & 15) == 0) defer_score(a, w);
+        if ((r & 15) == 8) defer_pv(w);
+        if (w->j1 + KB + r + 1 < a->ctx) {
+            const int64_t j = w->j1 + KB + r;
+            const char *kr = (const char *)(w->kbase + (a->tab[j / a->bs] * a->bs + j % a->bs) * D);
             for (int o = 0; o < 256; o += 64) _mm_prefetch(kr + o, _MM_HINT_T0);
         }
-        if (j1 + r < a->ctx)
-            for (int o = 0; o < 256; o += 64) _mm_prefetch((const char *)(vnext + r * D) + o, _MM_HINT_T0);
+        if (w->j1 + r < a->ctx)
+            for (int o = 0; o < 256; o += 64) _mm_prefetch((const char *)(w->vnext + r * D) + o, _MM_HINT_T0);
         const __m512 p0v = exp2v(_mm512_fmsub_ps(_mm512_load_ps(s[r]), c2, m2));
         const __m512 p1v = exp2v(_mm512_fmsub_ps(_mm512_load_ps(s[r + 1]), c2, m2));
         sum0 = _mm512_add_ps(sum0, p0v);
@@ -173,52 +229,21 @@ static void block_weights(float (*s)[16], int64_t rows, const args_t *a, __m512 
         _mm512_store_si512(pt[r / 2], _mm512_permutex2var_epi16(_mm512_castps_si512(p0v), halves, _mm512_castps_si512(p1v)));
         _mm512_store_si512(pt[KB / 2 + r / 2],
                            _mm512_permutex2var_epi16(_mm512_castps_si512(lo0), halves, _mm512_castps_si512(lo1)));
+        (void)inter;
 #else /* P rounded to bf16, as torch does */
         const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(p1v, p0v); /* keys r (low half), r + 1 */
         _mm512_store_si512(pt[r / 2], _mm512_permutexvar_epi16(inter, b));
+        (void)halves;
+        (void)top;
 #endif
     }
-    for (; t < nsub; t++) score_rows(a, kbase, j1 + 16 * t, nxt[16 * t]);
+    defer_finish(a, w);
     *l = _mm512_add_ps(*l, _mm512_add_ps(sum0, sum1));
 }
 
 static inline int64_t block_rows(int64_t j0, int64_t limit) { /* score rows of the block at j0 */
     const int64_t nk = limit - j0 < KB ? limit - j0 : KB;
     return j0 < limit ? (nk + 31) / 32 * 32 : 0;
-}
-
-/* O^T += V^T P^T over the block's rows (32 keys a step) into accumulator tiles 4 .. 7 */
-static inline void block_pv(const uint16_t *vt, int64_t rows, uint32_t (*pt)[16]) {
-    const int64_t vstride = 64, lps = 32;
-    for (int64_t c = 0; c < rows / 32; c++) {
-        const uint16_t *vc = vt + 32 * D * c; /* the chunk's V^T: [64 dims][32 keys] */
-#if PSPLIT
-        TL(0, pt[16 * c], 64);
-        TL(1, pt[KB / 2 + 16 * c], 64);
-        TL(2, vc, vstride);
-        _tile_dpbf16ps(4, 2, 0);
-        _tile_dpbf16ps(4, 2, 1);
-        TL(3, vc + 16 * lps, vstride);
-        _tile_dpbf16ps(5, 3, 0);
-        _tile_dpbf16ps(5, 3, 1);
-        TL(2, vc + 32 * lps, vstride);
-        _tile_dpbf16ps(6, 2, 0);
-        _tile_dpbf16ps(6, 2, 1);
-        TL(3, vc + 48 * lps, vstride);
-        _tile_dpbf16ps(7, 3, 0);
-        _tile_dpbf16ps(7, 3, 1);
-#else
-        TL(0, pt[16 * c], 64);
-        TL(1, vc, vstride);
-        _tile_dpbf16ps(4, 1, 0);
-        TL(2, vc + 16 * lps, vstride);
-        _tile_dpbf16ps(5, 2, 0);
-        TL(3, vc + 32 * lps, vstride);
-        _tile_dpbf16ps(6, 3, 0);
-        TL(1, vc + 48 * lps, vstride);
-        _tile_dpbf16ps(7, 1, 0);
-#endif
-    }
 }
 
 static inline void store_acc(float (*ob)[16]) {
@@ -237,11 +262,12 @@ static inline void load_acc(float (*ob)[16]) {
     TL(7, ob[48], 64);
 }
 
-/* 16 queries i0 .. of head h */
+/* 16 queries i0 .. of head h: block after block of 64 keys, block b's scores computed during block
+   b - 1's exponentials and its weighted sum during block b + 1's (or at once where block b + 1 rescales) */
 static void attend_unit(const args_t *a, int64_t h, int64_t i0) {
     uint32_t qt[2][16][16] __attribute__((aligned(64)));
     float s[2][KB][16] __attribute__((aligned(64)));
-    uint32_t pt[KB][16] __attribute__((aligned(64))); /* weights; with PSPLIT their residuals after */
+    uint32_t pt[2][KB][16] __attribute__((aligned(64))); /* weights; with PSPLIT their residuals after */
     float ob[D][16] __attribute__((aligned(64)));
     const int64_t nq = a->n - i0 < 16 ? a->n - i0 : 16, p0 = a->q_start + i0, kh = h / a->group;
     memset(qt, 0, sizeof qt);
@@ -254,30 +280,37 @@ static void attend_unit(const args_t *a, int64_t h, int64_t i0) {
     const int64_t limit = a->ctx < p0 + 16 ? a->ctx : p0 + 16;
     __m512 m2 = _mm512_set1_ps(-1.0e30f), l = _mm512_setzero_ps();
     BARRIER();
-    TL(0, qt[0], 64);
-    TL(1, qt[1], 64);
+    reload_queries(qt);
     _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
     for (int64_t t = 0; t < block_rows(0, limit) / 16; t++) score_rows(a, kbase, 16 * t, s[0][16 * t]);
+    deferred_t w = {kbase, vt, vt, qt, s[1], pt[1], 0, 0, 0, 0, 0}; /* nothing pending */
     for (int64_t j0 = 0, b = 0; j0 < limit; j0 += KB, b++) {
         const int64_t rows = block_rows(j0, limit);
         BARRIER();
         int rescale;
         const __m512 corr = block_max(s[b & 1], rows, j0, p0, a, &m2, &l, &rescale);
-        if (rescale && j0 > 0) {
+        if (rescale && j0 > 0) { /* the previous block's weighted sum first, then the correction */
+            while (w.c < w.chunks) defer_pv(&w);
             store_acc(ob);
             for (int d = 0; d < D; d++) _mm512_store_ps(ob[d], _mm512_mul_ps(_mm512_load_ps(ob[d]), corr));
             load_acc(ob);
         }
-        block_weights(s[b & 1], rows, a, m2, &l, pt, kbase, j0 + KB, block_rows(j0 + KB, limit) / 16,
-                      s[(b + 1) & 1], vt + (j0 + KB) * D);
+        w.nxt = s[(b + 1) & 1];
+        w.j1 = j0 + KB;
+        w.nsub = block_rows(j0 + KB, limit) / 16;
+        w.vnext = vt + (j0 + KB) * D;
+        w.t = 0;
+        block_weights(s[b & 1], rows, a, m2, &l, pt[b & 1], &w);
         BARRIER();
-        block_pv(vt + j0 * D, rows, pt);
-        TL(0, qt[0], 64);
-        TL(1, qt[1], 64);
+        w.vt = vt + j0 * D; /* this block's weighted sum: during the next one's exponentials */
+        w.pt = pt[b & 1];
+        w.chunks = rows / 32;
+        w.c = 0;
     }
+    while (w.c < w.chunks) defer_pv(&w);
     store_acc(ob);
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l);
     uint16_t row[16] __attribute__((aligned(32)));
