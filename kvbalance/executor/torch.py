@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kvbalance.batch import BatchPlan, KVTransfer, ScheduledSeq, StepBreakdown, StepResult
+from kvbalance.executor import hugepages
 from kvbalance.executor.cpu_affinity import bind_cores
 from kvbalance.model import fused
 from kvbalance.model.llama import (
@@ -172,10 +173,11 @@ class TorchExecutor:
             self.packed_weights = self.model.pack_weights_for_cpu()  # CPU: MKL / oneDNN packed GEMM weights
             c = self.config
             # head-major per layer (see ``Attention``); the block helpers speak [blocks, block_size, kvh, hd]
-            self.kv_cache = torch.zeros(
+            # CPU: on transparent huge pages (hugepages.py: fewer TLB misses on scattered blocks)
+            self.kv_cache = hugepages.zeros(
                 (c.num_layers, 2, c.num_kv_heads, num_blocks, block_size, c.head_dim),
-                device=self.device,
-                dtype=self.kv_dtype,
+                self.kv_dtype,
+                self.device,
             )
         self.model.bind_kv_cache(list(self.kv_cache[:, 0]), list(self.kv_cache[:, 1]))
         self.generator = torch.Generator(device=self.device).manual_seed(0)  # unseeded random sampling
