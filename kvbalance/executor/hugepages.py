@@ -3,9 +3,9 @@
 Decode attention reads each sequence's KV blocks (8 KiB per head and block at SmolLM2's shape) from all
 over a cache of a gigabyte or more: with 4 KiB pages nearly every block costs a TLB miss and a page walk
 whose entries are not in cache either. Backed by 2 MiB pages, the same walks stay in the TLB. Measured on
-the development machine (one thread, 30 layers x 64 sequences x 300 tokens, blocks at random through a
-1.4 GiB cache, best of 7): ~52 ms of kernel time per step on 4 KiB pages, ~48 ms on huge pages, with
-noise of the same order on the shared box.
+the development machine with ``benchmarks/bench_decode_attention.py`` (one thread, 30 layers, blocks at
+random through a 1.5 GB cache, best of 5; ``--small-pages`` for 4 KiB): 64 sequences x 200 tokens 41.5 ->
+27.6 ms per step (7.1 -> 10.7 GB/s of K/V), 16 x 1,000 40.1 -> 31.0 ms, 64 x 1,000 138 -> 123 ms.
 
 Linux's THP policy is usually ``madvise``: memory gets huge pages only where the process asks for them
 (``madvise(MADV_HUGEPAGE)``) before first touching it. :func:`zeros` maps anonymous memory (zero-filled
