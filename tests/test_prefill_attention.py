@@ -163,3 +163,15 @@ def test_the_prefill_branch_takes_the_kernel_and_the_switch_keeps_sdpa(monkeypat
     sdpa = layer._attend(q, g, k_new, v_new)
     assert not calls
     torch.testing.assert_close(out.float(), sdpa.float(), atol=2e-2, rtol=2**-6)
+
+
+def test_the_kernel_builds_where_the_cpu_has_amx():
+    """A source that no longer compiles must fail here, not skip every kernel test above."""
+    from pathlib import Path
+
+    from kvbalance.model import cbuild
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if "amx_bf16" not in flags or cbuild.compiler() is None or not cbuild.native_enabled():
+        pytest.skip("no AMX-BF16 or no compiler here")
+    assert native_prefill.library() is not None and native_prefill.available()

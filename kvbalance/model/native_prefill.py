@@ -14,16 +14,17 @@ blocks of 64 keys (those wholly above the diagonal skipped) run in three phases:
   repacked once per unit into the VNNI pair layout, the B tile; ``tdpbf16ps`` (bf16 products exact in
   float32, float32 sums);
 - online softmax in float32 with the 16 queries as the 16 vector lanes (maxima and sums need no
-  horizontal reductions), in base 2 (``exp(scale s) = 2^(scale log2(e) s)``, degree-6 polynomial and
+  horizontal reductions), in base 2 (``exp(scale s) = 2^(scale log2(e) s)``, degree-5 polynomial and
   ``vscalefps``). The running maximum is raised only where a block's maximum exceeds it by more than
   8 (FlashAttention-4's conditional rescaling): weights stay <= 2^8, exact in the final normalisation,
   and the accumulator tiles are stored, rescaled and reloaded only then (rarely after the first blocks);
 - ``O^T += V^T P^T`` [64 dims x 16 queries] in four resident float32 C tiles, ``V^T`` transposed once
   per call into a scratch buffer (zero past the context). Torch's CPU flash kernel rounds the weights
   ``P`` to bf16 for this product (its ``_exp_reduce_sum_fusion_kernel`` writes them in the input dtype;
-  sums stay float32); here ``P = hi + lo``, two bf16s, and both are multiplied (one more tile product
-  per 32 keys), so the weights are float32-accurate: rounded once, they flipped a greedy token of the
-  real SmolLM2 at a 0.05 logit margin (tests/test_bf16.py), and the split costs ~15-20% of the time.
+  sums stay float32); here ``P = hi + lo``, two bf16s (``hi`` the upper half of the float32, ``lo``
+  the rest truncated: 2^-16 relative), and both are multiplied (24 instead of 16 tile products a block),
+  so the weights are float32-accurate: rounded once, they flipped a greedy token of the real SmolLM2 at
+  a 0.05 logit margin (tests/test_bf16.py); the split costs 10-15% of the time.
   The output is normalised and rounded to bf16 once.
 
 Measured on one thread of the 2-core AMX development machine (benchmarks/bench_prefill_attention.py,

@@ -1,7 +1,9 @@
 """C source of the AMX flash-attention prefill kernel (:mod:`kvbalance.model.native_prefill` explains the
-algorithm and loads it). Compile-time switches: ``-DPSPLIT=0`` rounds the weights P to one bf16 each (as
-torch's CPU flash kernel does; ~15-20% faster, but it flipped a 0.05-margin greedy token of the real
-SmolLM2 in tests/test_bf16.py), ``-DTAU=0.0f`` rescales at every new maximum (~10-20% slower).
+algorithm and loads it). ``-DTAU=0.0f`` rescales at every new maximum (10-15% slower). Measured and
+left out: the weights rounded once to bf16 as torch does (16 instead of 24 tile products a block,
+10-15% faster) flipped a 0.05-margin greedy token of the real SmolLM2 in tests/test_bf16.py and was
+less accurate than torch's SDPA on random inputs (with the lazy maximum: the largest weight is no
+longer exactly 1).
 """
 
 PREFILL_SOURCE = r"""
@@ -14,9 +16,6 @@ PREFILL_SOURCE = r"""
 #include <unistd.h>
 #define D 64
 #define KB 64 /* keys per softmax block */
-#ifndef PSPLIT
-#define PSPLIT 1 /* P as two bf16s: float32-accurate weights (2^-16 relative) */
-#endif
 #ifndef TAU
 #define TAU 8.0f /* conditional rescaling: weights stay <= 2^TAU */
 #endif
@@ -40,7 +39,8 @@ int amx_available(void) {
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
 }
 
-/* every tile 16 rows x 64 bytes: 0, 1 Q^T (B), 2 scores (C), 3 K rows (A), 4..7 O^T (C) */
+/* every tile 16 rows x 64 bytes. Scores: 0, 1 Q^T (B), 2 S^T (C), 3 K rows (A); weighted sums: 0, 1 P^T
+   hi and lo (B), 2, 3 V^T (A); 4 .. 7 the O^T accumulators (C) throughout */
 static void amx_configure(void) {
     tilecfg_t c;
     memset(&c, 0, sizeof c);
@@ -73,17 +73,68 @@ typedef struct {
     float c2; /* scale * log2(e) */
 } args_t;
 
+/* 16 x 16 32-bit transpose in registers: r[i] lane c -> r[c] lane i */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    /* u[4 i + m], 128-bit lane L: rows 4 i .. 4 i + 3 of column 4 L + m */
+    for (int m = 0; m < 4; m++) {
+        const __m512i v01 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88), w01 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xDD);
+        const __m512i v23 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88),
+                      w23 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xDD);
+        r[m] = _mm512_shuffle_i32x4(v01, v23, 0x88);
+        r[8 + m] = _mm512_shuffle_i32x4(v01, v23, 0xDD);
+        r[4 + m] = _mm512_shuffle_i32x4(w01, w23, 0x88);
+        r[12 + m] = _mm512_shuffle_i32x4(w01, w23, 0xDD);
+    }
+}
+
+static inline const uint16_t *v_row(const args_t *a, int64_t kh, int64_t j) {
+    return a->v + ((kh * a->nb + a->tab[j / a->bs]) * a->bs + j % a->bs) * D;
+}
+
 /* V^T of keys j0 .. j0 + 63 of KV head kh into the scratch (zero past the context), 32 keys a chunk:
-   the chunk [64 dims][32 keys] is contiguous, four A tiles of 16 dims one after another */
+   the chunk [64 dims][32 keys] is contiguous, four A tiles of 16 dims one after another. Whole chunks
+   in registers: key pairs (2k, 2k + 1) interleaved into 32-bit words per dim, then 16 x 16 transposes. */
 static void transpose_v(const args_t *a, int64_t kh, int64_t j0) {
+    static const uint16_t pair_lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                         8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    static const uint16_t pair_hi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                         24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i lo = _mm512_loadu_si512(pair_lo), hi = _mm512_loadu_si512(pair_hi);
     uint16_t *vt = a->vt + kh * D * a->lps;
-    for (int64_t j = j0; j < j0 + KB; j++) {
-        if (j >= a->ctx) {
-            for (int d = 0; d < D; d++) vt[(j / 32 * D + d) * 32 + j % 32] = 0;
+    for (int64_t c0 = j0; c0 < j0 + KB; c0 += 32) {
+        uint16_t *chunk = vt + c0 * D;
+        if (c0 + 32 <= a->ctx) {
+            __m512i w[4][16]; /* [16-dim group][key pair]: words (V[2k][d], V[2k + 1][d]) */
+            for (int k = 0; k < 16; k++) {
+                const uint16_t *r0 = v_row(a, kh, c0 + 2 * k), *r1 = v_row(a, kh, c0 + 2 * k + 1);
+                const __m512i a0 = _mm512_loadu_si512(r0), b0 = _mm512_loadu_si512(r0 + 32);
+                const __m512i a1 = _mm512_loadu_si512(r1), b1 = _mm512_loadu_si512(r1 + 32);
+                w[0][k] = _mm512_permutex2var_epi16(a0, lo, a1);
+                w[1][k] = _mm512_permutex2var_epi16(a0, hi, a1);
+                w[2][k] = _mm512_permutex2var_epi16(b0, lo, b1);
+                w[3][k] = _mm512_permutex2var_epi16(b0, hi, b1);
+            }
+            for (int g = 0; g < 4; g++) {
+                transpose16(w[g]);
+                for (int d = 0; d < 16; d++) _mm512_store_si512(chunk + (16 * g + d) * 32, w[g][d]);
+            }
             continue;
         }
-        const uint16_t *row = a->v + ((kh * a->nb + a->tab[j / a->bs]) * a->bs + j % a->bs) * D;
-        for (int d = 0; d < D; d++) vt[(j / 32 * D + d) * 32 + j % 32] = row[d];
+        for (int64_t j = c0; j < c0 + 32; j++) {
+            const uint16_t *row = j < a->ctx ? v_row(a, kh, j) : NULL;
+            for (int d = 0; d < D; d++) chunk[d * 32 + j - c0] = row ? row[d] : 0;
+        }
     }
 }
 
@@ -136,11 +187,10 @@ static __m512 block_max(float (*s)[16], int64_t rows, int64_t j0, int64_t p0, co
     return corr;
 }
 
-/* O^T += V^T P^T for one chunk of 32 keys (V^T [64 dims][32 keys] at vc; weights pt[0 .. 16), with PSPLIT
-   their residuals at pt[KB / 2 ..]) into accumulator tiles 4 .. 7; tiles 0 .. 3 are overwritten */
+/* O^T += V^T P^T for one chunk of 32 keys (V^T [64 dims][32 keys] at vc; weights pt[0 .. 16), their residuals
+   at pt[KB / 2 ..]) into accumulator tiles 4 .. 7; tiles 0 .. 3 are overwritten */
 static inline void chunk_pv(const uint16_t *vc, uint32_t (*pt)[16]) {
     TL(0, pt[0], 64);
-#if PSPLIT
     TL(1, pt[KB / 2], 64);
     TL(2, vc, 64);
     TL(3, vc + 16 * 32, 64);
@@ -154,16 +204,6 @@ static inline void chunk_pv(const uint16_t *vc, uint32_t (*pt)[16]) {
     _tile_dpbf16ps(7, 3, 0);
     _tile_dpbf16ps(6, 2, 1);
     _tile_dpbf16ps(7, 3, 1);
-#else
-    TL(1, vc, 64);
-    _tile_dpbf16ps(4, 1, 0);
-    TL(2, vc + 16 * 32, 64);
-    _tile_dpbf16ps(5, 2, 0);
-    TL(3, vc + 32 * 32, 64);
-    _tile_dpbf16ps(6, 3, 0);
-    TL(1, vc + 48 * 32, 64);
-    _tile_dpbf16ps(7, 1, 0);
-#endif
 }
 
 /* Tile work deferred into a block's exponentials: the next block's scores (nsub groups of 16 rows from
@@ -206,8 +246,6 @@ static void block_weights(float (*s)[16], int64_t rows, const args_t *a, __m512 
     const __m512i halves = _mm512_set_epi16(63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51, 19, 49, 17, 47, 15,
                                             45, 13, 43, 11, 41, 9, 39, 7, 37, 5, 35, 3, 33, 1);
     const __m512i top = _mm512_set1_epi32((int)0xFFFF0000u);
-    const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                           22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; r += 2) {
         if ((r & 15) == 0) defer_score(a, w);
@@ -223,19 +261,12 @@ static void block_weights(float (*s)[16], int64_t rows, const args_t *a, __m512 
         const __m512 p1v = exp2v(_mm512_fmsub_ps(_mm512_load_ps(s[r + 1]), c2, m2));
         sum0 = _mm512_add_ps(sum0, p0v);
         sum1 = _mm512_add_ps(sum1, p1v);
-#if PSPLIT /* P = hi + lo: hi the upper half of each float32 (exact), lo the rest (rounded toward zero) */
+        /* P = hi + lo: hi the upper half of each float32 (exact), lo the rest (rounded toward zero) */
         const __m512 lo0 = _mm512_sub_ps(p0v, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p0v), top))),
                      lo1 = _mm512_sub_ps(p1v, _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p1v), top)));
         _mm512_store_si512(pt[r / 2], _mm512_permutex2var_epi16(_mm512_castps_si512(p0v), halves, _mm512_castps_si512(p1v)));
         _mm512_store_si512(pt[KB / 2 + r / 2],
                            _mm512_permutex2var_epi16(_mm512_castps_si512(lo0), halves, _mm512_castps_si512(lo1)));
-        (void)inter;
-#else /* P rounded to bf16, as torch does */
-        const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(p1v, p0v); /* keys r (low half), r + 1 */
-        _mm512_store_si512(pt[r / 2], _mm512_permutexvar_epi16(inter, b));
-        (void)halves;
-        (void)top;
-#endif
     }
     defer_finish(a, w);
     *l = _mm512_add_ps(*l, _mm512_add_ps(sum0, sum1));
@@ -246,20 +277,13 @@ static inline int64_t block_rows(int64_t j0, int64_t limit) { /* score rows of t
     return j0 < limit ? (nk + 31) / 32 * 32 : 0;
 }
 
-static inline void store_acc(float (*ob)[16]) {
-    TS(4, ob[0], 64);
-    TS(5, ob[16], 64);
-    TS(6, ob[32], 64);
-    TS(7, ob[48], 64);
+static inline void store_acc(float (*ob)[16]) { /* accumulator tiles <-> ob [64 dims][16 queries] */
+    TS(4, ob[0], 64); TS(5, ob[16], 64); TS(6, ob[32], 64); TS(7, ob[48], 64);
     BARRIER();
 }
-
 static inline void load_acc(float (*ob)[16]) {
     BARRIER();
-    TL(4, ob[0], 64);
-    TL(5, ob[16], 64);
-    TL(6, ob[32], 64);
-    TL(7, ob[48], 64);
+    TL(4, ob[0], 64); TL(5, ob[16], 64); TL(6, ob[32], 64); TL(7, ob[48], 64);
 }
 
 /* 16 queries i0 .. of head h: block after block of 64 keys, block b's scores computed during block
@@ -267,7 +291,7 @@ static inline void load_acc(float (*ob)[16]) {
 static void attend_unit(const args_t *a, int64_t h, int64_t i0) {
     uint32_t qt[2][16][16] __attribute__((aligned(64)));
     float s[2][KB][16] __attribute__((aligned(64)));
-    uint32_t pt[2][KB][16] __attribute__((aligned(64))); /* weights; with PSPLIT their residuals after */
+    uint32_t pt[2][KB][16] __attribute__((aligned(64))); /* weights, then their residuals */
     float ob[D][16] __attribute__((aligned(64)));
     const int64_t nq = a->n - i0 < 16 ? a->n - i0 : 16, p0 = a->q_start + i0, kh = h / a->group;
     memset(qt, 0, sizeof qt);
