@@ -52,6 +52,9 @@ typedef uint16_t bf16;
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1 /* into L2 */
 #endif
+#ifndef PF_L1
+#define PF_L1 0 /* K steps of this pair's B tiles prefetched ahead into L1 (0: none) */
+#endif
 #ifndef M_BLOCK
 #define M_BLOCK 256 /* rows whose activations stay in L2 while every pair passes */
 #endif
@@ -135,6 +138,10 @@ static void chunk(const gemm_t *g, int64_t q, int64_t t0, int nt, const char *pf
     for (int64_t kb = 0; kb < KB; kb++) {
         if (pf)
             for (int l = 0; l < pf_step; l += 64) _mm_prefetch(pf + kb * pf_step + l, PF_HINT);
+#if PF_L1
+        if (kb + PF_L1 < KB)
+            for (int l = 0; l < 2048; l += 64) _mm_prefetch((const char *)(bq + (kb + PF_L1) * 1024) + l, _MM_HINT_T0);
+#endif
         TLOAD(4, a0 + 32 * kb, s0);
         TLOAD(6, bq + kb * 1024, 64);
         TLOAD(7, bq + kb * 1024 + 512, 64);
