@@ -134,3 +134,18 @@ def test_env_switch_falls_back_to_onednn(monkeypatch):
     p_off = packed._pack(w)  # packed with it off: oneDNN's layout
     assert not isinstance(p_off, amx_gemm.AmxPackedWeight)
     assert torch.equal(packed._packed_linear(x, p_off, w, b), _onednn(x, w, b))
+
+
+@needs_amx
+def test_two_threads_give_the_same_bits():
+    x, w, b = _data(40, 1000, 576)
+    p = amx_gemm.pack(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = amx_gemm.linear(x, p, b)
+        torch.set_num_threads(2)  # the column pairs split between the threads, each its own tiles
+        two = amx_gemm.linear(x, p, b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)

@@ -52,9 +52,6 @@ typedef uint16_t bf16;
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1 /* into L2 */
 #endif
-#ifndef PF_L1
-#define PF_L1 0 /* K steps of this pair's B tiles prefetched ahead into L1 (0: none) */
-#endif
 #ifndef M_BLOCK
 #define M_BLOCK 256 /* rows whose activations stay in L2 while every pair passes */
 #endif
@@ -138,10 +135,6 @@ static void chunk(const gemm_t *g, int64_t q, int64_t t0, int nt, const char *pf
     for (int64_t kb = 0; kb < KB; kb++) {
         if (pf)
             for (int l = 0; l < pf_step; l += 64) _mm_prefetch(pf + kb * pf_step + l, PF_HINT);
-#if PF_L1
-        if (kb + PF_L1 < KB)
-            for (int l = 0; l < 2048; l += 64) _mm_prefetch((const char *)(bq + (kb + PF_L1) * 1024) + l, _MM_HINT_T0);
-#endif
         TLOAD(4, a0 + 32 * kb, s0);
         TLOAD(6, bq + kb * 1024, 64);
         TLOAD(7, bq + kb * 1024 + 512, 64);
@@ -268,33 +261,33 @@ def pack(w: torch.Tensor) -> AmxPackedWeight | None:
 
 
 def linear(x: torch.Tensor, packed: AmxPackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W^T (+ bias)`` for ``x`` [..., K] bf16 (rows contiguous: ``x.stride(-1) == 1``) through the
-    AMX kernel; the caller checks :func:`available` and the dtypes."""
-    k = packed.k
+    """``x @ W^T (+ bias)`` for ``x`` [..., K] bf16 through the AMX kernel (rows with a stride are read
+    in place; a last dim with a stride is copied first); the caller checks :func:`available`."""
+    k, n = packed.k, packed.n
     if x.shape[-1] != k:
         raise ValueError(f"x: last dim {x.shape[-1]} differs from the weight's K {k}")
     if x.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
         raise ValueError(f"x, bias: bf16 required, got {x.dtype} and {None if bias is None else bias.dtype}")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1 or x2.stride(0) < k:
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < k):
         x2 = x2.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
     m = x2.shape[0]
-    y = torch.empty(m, packed.n, dtype=torch.bfloat16)
+    y = torch.empty(m, n, dtype=torch.bfloat16)
     if m:
+        if bias is not None:
+            bias = bias.contiguous()
         rc = _library().amx_linear(
             x2.data_ptr(),
             x2.stride(0),
             packed.data.data_ptr(),
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
-            packed.n,
+            n,
             m,
-            packed.n,
+            n,
             k,
             torch.get_num_threads(),
         )
         if rc != 0:
             raise RuntimeError(f"amx_linear failed with code {rc}")
-    return y.reshape(*x.shape[:-1], packed.n)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
