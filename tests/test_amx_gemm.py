@@ -1,13 +1,12 @@
 """The AMX bf16 GEMM (kvbalance/model/amx_gemm.py) and its dispatch in kvbalance/model/packed.py: results
 against float64 maths (one bf16 rounding of a float32 accumulation) and against oneDNN's packed matmul
-(bit-identical up to 32 rows, within one bf16 ulp beyond), over M, N and K tails, bias, strided and
+(bit-identical to its kernel for up to 32 rows, at every M), over M, N and K tails, bias, strided and
 3-D inputs; the fallbacks (``KVBALANCE_NATIVE_AMX=0``, K not a multiple of 32, grad mode, many rows)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvbalance.model import amx_gemm, packed
 
@@ -23,7 +22,7 @@ SHAPES = [
     (33, 48, 128),
     (64, 576, 1536),
 ]
-SHAPES += [(70, 130, 224), (300, 40, 64)]
+SHAPES += [(70, 130, 224), (300, 40, 64), (20, 48, 64), (40, 16, 32)]
 
 
 def _data(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,7 +50,7 @@ def _ulp(v: torch.Tensor) -> torch.Tensor:
 def test_kernel_matches_float64_within_one_rounding(m, n, k, with_bias):
     x, w, b = _data(m, n, k)
     bias = b if with_bias else None
-    y = amx_gemm.linear(x, amx_gemm.pack(w), bias)
+    y = amx_gemm.linear(x, w, bias)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     exact = x.double() @ w.double().T + (b.double() if with_bias else 0.0)
     # float32 accumulation over K (each step rounded: <= K 2^-24 of the absolute sum), then one bf16
@@ -64,15 +63,15 @@ def test_kernel_matches_float64_within_one_rounding(m, n, k, with_bias):
 
 @needs_amx
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_kernel_against_onednn(m, n, k):
+def test_kernel_is_bit_identical_to_onednn_in_32_row_calls(m, n, k):
     x, w, b = _data(m, n, k, seed=1)
     for bias in (None, b):
-        y = amx_gemm.linear(x, amx_gemm.pack(w), bias)
-        ref = _onednn(x, w, bias)
-        if m <= 32:  # oneDNN accumulates these in the same order: the same bits
-            assert torch.equal(y, ref)
-        else:  # beyond, it orders some sums differently: a few outputs differ, by one ulp where no
-            # cancellation magnifies the two float32 accumulations' difference
+        y = amx_gemm.linear(x, w, bias)
+        # oneDNN's kernel for up to 32 rows sums in the same order: the same bits
+        assert torch.equal(y, torch.cat([_onednn(x[i : i + 32], w, bias) for i in range(0, m, 32)]))
+        if m > 32:  # its kernel for more rows orders a few sums differently: within an ulp (or the
+            # two float32 accumulations' difference where cancellation magnifies it)
+            ref = _onednn(x, w, bias)
             diff = (y.double() - ref.double()).abs()
             absum = x.double().abs() @ w.double().abs().T + (0.0 if bias is None else bias.double().abs())
             assert bool((diff <= _ulp(ref.double()) + 2 * k * 2.0**-24 * absum).all())
@@ -82,43 +81,44 @@ def test_kernel_against_onednn(m, n, k):
 @needs_amx
 def test_strided_and_3d_inputs_equal_the_contiguous_result():
     x, w, b = _data(40, 96, 128)
-    p = amx_gemm.pack(w)
-    want = amx_gemm.linear(x, p, b)
+    want = amx_gemm.linear(x, w, b)
     wide = torch.zeros(40, 200, dtype=torch.bfloat16)
     wide[:, 8:136] = x
-    assert torch.equal(amx_gemm.linear(wide[:, 8:136], p, b), want)  # row stride 200 read in place
-    assert torch.equal(amx_gemm.linear(x.T.contiguous().T, p, b), want)  # column-major: copied
-    assert torch.equal(amx_gemm.linear(x.view(4, 10, 128), p, b), want.view(4, 10, 96))
-    assert amx_gemm.linear(x[:0], p).shape == (0, 96)
+    assert torch.equal(amx_gemm.linear(wide[:, 8:136], w, b), want)  # row stride 200 read in place
+    assert torch.equal(amx_gemm.linear(x.T.contiguous().T, w, b), want)  # column-major: copied
+    assert torch.equal(amx_gemm.linear(x.view(4, 10, 128), w, b), want.view(4, 10, 96))
+    assert amx_gemm.linear(x[:0], w).shape == (0, 96)
 
 
 @needs_amx
-def test_pack_is_one_copy_and_rejects_what_the_kernel_cannot_take():
+def test_kernel_rejects_what_it_cannot_take():
     _, w, _ = _data(1, 100, 64)
-    p = amx_gemm.pack(w)
-    assert (p.n, p.k) == (100, 64) and p.nbytes == 128 * 64 * 2  # N padded to a pair of tiles
-    assert amx_gemm.pack(w[:, :48]) is None  # K not a multiple of 32
-    assert amx_gemm.pack(w.float()) is None
+    assert amx_gemm.supports(w)
+    assert not amx_gemm.supports(w[:, :48])  # K not a multiple of 32
+    assert not amx_gemm.supports(w.float()) and not amx_gemm.supports(w.T)
+    with pytest.raises(ValueError, match="weight: "):
+        amx_gemm.linear(torch.zeros(2, 48, dtype=torch.bfloat16), w[:, :48].contiguous())
     with pytest.raises(ValueError, match="x: last dim 32"):
-        amx_gemm.linear(torch.zeros(2, 32, dtype=torch.bfloat16), p)
+        amx_gemm.linear(torch.zeros(2, 32, dtype=torch.bfloat16), w)
     with pytest.raises(ValueError, match="x, bias: bf16"):
-        amx_gemm.linear(torch.zeros(2, 64), p)
+        amx_gemm.linear(torch.zeros(2, 64), w)
 
 
 @needs_amx
 def test_dispatch_runs_the_kernel_up_to_the_threshold_and_onednn_beyond(monkeypatch):
     _, w, b = _data(1, 192, 576)
-    p = packed._pack(w)
-    assert isinstance(p, amx_gemm.AmxPackedWeight)
+    p = packed._pack(w)  # oneDNN's layout: the kernel reads the plain weight
     small, large = _data(packed.AMX_MAX_ROWS, 192, 576)[0], _data(packed.AMX_MAX_ROWS + 1, 192, 576)[0]
-    assert torch.equal(packed._packed_linear(small, p, w, b), amx_gemm.linear(small, p, b))
+    assert torch.equal(packed._packed_linear(small, p, w, b), amx_gemm.linear(small, w, b))
     calls = []
     monkeypatch.setattr(amx_gemm, "linear", lambda *a: calls.append(a))
-    assert torch.equal(packed._packed_linear(large, p, w, b), F.linear(large, w, b))
-    x = small.clone().requires_grad_()
-    wg = w.clone().requires_grad_()
-    packed._packed_linear(x, p, wg, None).float().sum().backward()  # grad mode: autograd's path
-    assert x.grad is not None and wg.grad is not None
+    assert torch.equal(packed._packed_linear(large, p, w, b), _onednn(large, w, b))
+    x = small.clone().requires_grad_()  # grad mode: left to oneDNN's op (the kernel has no backward)
+    assert torch.equal(packed._packed_linear(x, p, w, b).detach(), _onednn(small, w, b))
+    k48 = _data(4, 64, 48)
+    assert torch.equal(
+        packed._packed_linear(k48[0], packed._pack(k48[1]), k48[1], None), _onednn(k48[0], k48[1], None)
+    )
     assert calls == []
 
 
@@ -126,26 +126,23 @@ def test_env_switch_falls_back_to_onednn(monkeypatch):
     x, w, b = _data(8, 64, 128)
     if not packed._can_pack(w):
         pytest.skip("no native bf16 matmul here")
-    p = packed._pack(w)
     monkeypatch.setenv("KVBALANCE_NATIVE_AMX", "0")
     assert not amx_gemm.available()
-    # packed while the kernel was on, called with it off: oneDNN on the plain weight
-    assert torch.equal(packed._packed_linear(x, p, w, b), F.linear(x, w, b))
-    p_off = packed._pack(w)  # packed with it off: oneDNN's layout
-    assert not isinstance(p_off, amx_gemm.AmxPackedWeight)
-    assert torch.equal(packed._packed_linear(x, p_off, w, b), _onednn(x, w, b))
+    calls = []
+    monkeypatch.setattr(amx_gemm, "linear", lambda *a: calls.append(a))
+    assert torch.equal(packed._packed_linear(x, packed._pack(w), w, b), _onednn(x, w, b))
+    assert calls == []
 
 
 @needs_amx
 def test_two_threads_give_the_same_bits():
     x, w, b = _data(40, 1000, 576)
-    p = amx_gemm.pack(w)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = amx_gemm.linear(x, p, b)
-        torch.set_num_threads(2)  # the column pairs split between the threads, each its own tiles
-        two = amx_gemm.linear(x, p, b)
+        one = amx_gemm.linear(x, w, b)
+        torch.set_num_threads(2)  # the weight's 32-row blocks split between the threads, each its own tiles
+        two = amx_gemm.linear(x, w, b)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)

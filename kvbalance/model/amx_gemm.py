@@ -1,29 +1,34 @@
 """An AMX bf16 GEMM for the decode step's linears: ``y = x @ W^T (+ bias)``, bf16 in, float32 tile
-accumulation, the output rounded once to bf16 (nearest even).
+accumulation, the output rounded once to bf16 (nearest even). Called by :mod:`kvbalance.model.packed`
+for calls of few rows.
 
-A decode step's linears are memory-bound: each weight is read once per step for a few dozen rows.
-oneDNN's AMX matmul on one thread streams SmolLM2's weights at ~7.7 GB/s at 64 rows (below this
-core's ~10 GB/s DRAM rate). This kernel packs each weight once into the tile layout it streams, so
-the weight passes through the core as one contiguous stream per call:
+A decode step's linears are memory-bound: each weight is read once per step for a few dozen rows, and
+oneDNN's AMX matmul on one thread streams SmolLM2's weights at only ~7-9 GB/s at 32-64 rows. This
+kernel streams the **plain** row-major weight (no packed copy: the weight is the tile operand as it
+lies) and reaches 11-13 GB/s up to 32 rows (benchmarks/bench_gemm.py):
 
-- **Packed layout** (:func:`pack`): N is padded with zero rows to a multiple of 32 and cut into
-  *panel pairs* of 32 output columns. A pair is ``K / 32`` steps of two B tiles (16 K pairs x 16
-  columns, VNNI: ``tile[r][c] = (W[n0 + c, k0 + 2r], W[n0 + c, k0 + 2r + 1])``), 2 KB per step, so a
-  pair is contiguous and the pairs follow each other: the hardware prefetcher streams it, and the
-  kernel prefetches ``PF_PAIRS`` pairs ahead into L2 by software as well.
-- **Tiles**: C is a 2 x 2 block of 16 x 16 float32 tiles (32 rows x 32 columns, tmm0-3), two A tiles of
-  16 rows x 32 K (tmm4, 5: the activations, from L1/L2), two B tiles (tmm6, 7). For each pair the rows
-  run in chunks of 32 (the pair stays in L1/L2 while they reuse it); rows are blocked by ``M_BLOCK``
-  outside the pairs so the activations of a block stay in L2 for large M. A last row tile with fewer
-  than 16 rows is copied into a zero-padded buffer first (tile loads read 16 rows).
-- **Epilogue**: C tiles are stored to a float32 buffer, the bias (bf16, widened) added in float32,
-  and each value rounded once to bf16 (``vcvtneps2bf16``: nearest even).
+- **Transposed product**: it computes ``y^T = W x^T`` tile by tile. A tiles are 16 rows of W x 32 K
+  (a row-major weight is already that layout: a tile load with the row stride); B tiles are the
+  activations in VNNI pairs, ``xt[p][m] = (x[m][2p], x[m][2p + 1])``, packed once per call (16 x 16
+  transposes of 32-bit words in registers; the activations are <= a few hundred KB, in L1/L2).
+- **Blocking**: C^T is a 2 x 2 block of 16 x 16 float32 tiles (32 weight rows x 32 activation rows,
+  tmm0-3), two W tiles (tmm4, 5), two x tiles (tmm6, 7). W goes through in blocks of 32 rows
+  (contiguous, 2K bytes of row each); each block meets the activation rows 32 at a time while it sits
+  in L1/L2, and the block ``PF_BLOCKS`` ahead is prefetched into L2 (in equal parts over the block's
+  chunks) on top of the hardware prefetcher.
+- **Epilogue**: each C^T tile is stored to a float32 buffer, the bias (bf16, widened) added in float32,
+  the 16 x 16 block transposed in registers and each value rounded once to bf16 (``vcvtneps2bf16``).
 
-K must be a multiple of 32 (otherwise :func:`pack` returns None and the caller keeps oneDNN). The
-tile configuration is loaded at every call (oneDNN and the attention kernel configure tiles their own
-way on the same thread) and released after. Runs only where the CPU has AMX-BF16 and the kernel was
-granted tile data (``arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)``), the compiler knows AMX, and
-``KVBALANCE_NATIVE_AMX`` / ``KVBALANCE_NATIVE`` are not ``0``.
+Numerics: the K sum runs in order in the tile accumulator, pair by pair as ``tdpbf16ps`` does, so the
+results are bit-identical to oneDNN's AMX kernel for calls of up to 32 rows (it accumulates the same
+way) and within an ulp of its kernel for more rows (a different accumulation order on a few outputs).
+
+K must be a multiple of 32 (:func:`supports`; the caller keeps oneDNN otherwise); W rows and
+activation rows past N and M are zero-padded copies (a tile load reads 16 rows). The tile configuration
+is loaded at every call (oneDNN and the attention kernel configure tiles their own way on the same
+thread) and released after. Runs only where the CPU has AMX-BF16 and the process was granted tile data
+(``arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)``), the compiler knows AMX, and ``KVBALANCE_NATIVE_AMX``
+/ ``KVBALANCE_NATIVE`` are not ``0``.
 """
 
 from __future__ import annotations
@@ -46,14 +51,11 @@ _SOURCE = r"""
 #include <unistd.h>
 
 typedef uint16_t bf16;
-#ifndef PF_PAIRS
-#define PF_PAIRS 2 /* panel pairs prefetched ahead */
+#ifndef PF_BLOCKS
+#define PF_BLOCKS 1 /* 32-row blocks of W prefetched ahead */
 #endif
 #ifndef PF_HINT
 #define PF_HINT _MM_HINT_T1 /* into L2 */
-#endif
-#ifndef M_BLOCK
-#define M_BLOCK 256 /* rows whose activations stay in L2 while every pair passes */
 #endif
 
 /* tile numbers are literals; the asm claims no memory, so BARRIER orders C accesses around it */
@@ -86,48 +88,85 @@ static void configure(void) { /* all eight tiles 16 rows x 64 bytes */
     __asm__ volatile("ldtilecfg %0" : : "m"(c)); /* not _tile_loadconfig: see native_amx.py */
 }
 
+/* 16 x 16 transpose of 32-bit lanes in registers: r[i][j] -> r[j][i] */
+static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[8 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* x [M, K] (row stride ldx) as B tiles: xt[p][m] = (x[m][2p], x[m][2p + 1]) as one 32-bit word, p < K/2,
+   m < Mp (M padded to 16 with zero rows) */
+static void pack_x(const bf16 *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, uint32_t *xt) {
+    for (int64_t m0 = 0; m0 < Mp; m0 += 16)
+        for (int64_t p0 = 0; p0 < K / 2; p0 += 16) {
+            __m512i r[16]; /* rows past M: masked-off loads (zeros, no memory touched) */
+            for (int i = 0; i < 16; i++)
+                r[i] = _mm512_maskz_loadu_epi32(m0 + i < M ? 0xFFFF : 0, x + (m0 + i) * ldx + 2 * p0);
+            transpose16(r);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(xt + (p0 + j) * Mp + m0), r[j]);
+        }
+}
+
 typedef struct {
-    const bf16 *x, *w, *bias, *tail; /* tail: the last partial row tile, zero-padded to 16 rows */
+    const bf16 *w, *bias, *wtail; /* wtail: W's last partial 16-row tile, zero-padded */
+    const uint32_t *xt;
     bf16 *y;
-    int64_t ldx, ldy, M, N, K;
+    int64_t ldy, M, Mp, N, K;
 } gemm_t;
 
-static inline const bf16 *row_tile(const gemm_t *g, int64_t t, int64_t *stride) {
-    if (16 * (t + 1) <= g->M) {
-        *stride = 2 * g->ldx;
-        return g->x + 16 * t * g->ldx;
-    }
-    *stride = 2 * g->K;
-    return g->tail;
+static inline const bf16 *w_tile(const gemm_t *g, int64_t n0) {
+    if (n0 >= g->N) return g->w; /* past N (the second tile of a last block of 16 rows): results unused */
+    return n0 + 16 <= g->N ? g->w + n0 * g->K : g->wtail;
 }
 
-/* C values buf[rows][ld] (floats) + bias in float32, rounded once to bf16 (nearest even), into y at
-   (r0, n0): the real rows (< M) and columns (< N) of a block of rows x cols (16 or 32) */
-static void epilogue(const gemm_t *g, const float *buf, int64_t ld, int64_t r0, int64_t rows, int64_t n0, int64_t cols) {
-    if (g->M - r0 < rows) rows = g->M - r0;
-    if (g->N - n0 < cols) cols = g->N - n0;
-    const __mmask16 m0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-    const __mmask16 m1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (g->bias) {
-        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, g->bias + n0)), 16));
-        b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, g->bias + n0 + 16)), 16));
+/* C^T block buf[n][m] (16 x 16 floats, row stride 32) + bias[n] in float32, transposed, rounded once
+   to bf16 (nearest even) into y rows m0 .. (< M), columns n0 .. n0 + 15 (< N) */
+static void epilogue16(const gemm_t *g, const float *buf, int64_t n0, int64_t m0) {
+    if (n0 >= g->N || m0 >= g->M) return;
+    const int64_t cols = g->N - n0 < 16 ? g->N - n0 : 16, rows = g->M - m0 < 16 ? g->M - m0 : 16;
+    const __mmask16 mask = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    __m512i r[16];
+    for (int i = 0; i < 16; i++) {
+        __m512 v = _mm512_loadu_ps(buf + 32 * i);
+        if (g->bias && i < cols) {
+            uint32_t b = (uint32_t)g->bias[n0 + i] << 16;
+            float bf;
+            memcpy(&bf, &b, 4);
+            v = _mm512_add_ps(v, _mm512_set1_ps(bf));
+        }
+        r[i] = _mm512_castps_si512(v);
     }
-    for (int64_t r = 0; r < rows; r++) {
-        bf16 *yr = g->y + (r0 + r) * g->ldy + n0;
-        const float *br = buf + r * ld;
-        _mm256_mask_storeu_epi16(yr, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(br), b0)));
-        if (m1) _mm256_mask_storeu_epi16(yr + 16, m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(br + 16), b1)));
-    }
+    transpose16(r);
+    for (int64_t j = 0; j < rows; j++)
+        _mm256_mask_storeu_epi16(g->y + (m0 + j) * g->ldy + n0, mask,
+                                 (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j])));
 }
 
-/* rows of row tiles t0 .. t0 + nt - 1 (nt = 1 or 2) x the 32 columns of pair q; pf_step bytes of the
-   prefetch stream pf (NULL: none) issued per K step */
-static void chunk(const gemm_t *g, int64_t q, int64_t t0, int nt, const char *pf, int pf_step, float (*buf)[32]) {
-    const int64_t KB = g->K / 32;
-    const bf16 *bq = g->w + q * KB * 1024;
-    int64_t s0, s1 = 0;
-    const bf16 *a0 = row_tile(g, t0, &s0), *a1 = nt > 1 ? row_tile(g, t0 + 1, &s1) : a0;
+/* W rows n0 .. n0 + 31 x the activations' columns of B tiles m0 .. m0 + 16 * nt - 1 (nt = 1 or 2):
+   C^T in tmm0-3 (n tile i, m tile j: tmm 2 j + i), W tiles in tmm4, 5, x tiles in tmm6, 7; pf_step
+   bytes of the prefetch stream pf (NULL: none) issued per K step */
+static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *pf, int pf_step, float (*buf)[32]) {
+    const int64_t KB = g->K / 32, sw = 2 * g->K, sx = 4 * g->Mp;
+    const bf16 *w0 = w_tile(g, n0), *w1 = w_tile(g, n0 + 16);
+    const uint32_t *x0 = g->xt + m0, *x1 = g->xt + m0 + 16;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -135,65 +174,81 @@ static void chunk(const gemm_t *g, int64_t q, int64_t t0, int nt, const char *pf
     for (int64_t kb = 0; kb < KB; kb++) {
         if (pf)
             for (int l = 0; l < pf_step; l += 64) _mm_prefetch(pf + kb * pf_step + l, PF_HINT);
-        TLOAD(4, a0 + 32 * kb, s0);
-        TLOAD(6, bq + kb * 1024, 64);
-        TLOAD(7, bq + kb * 1024 + 512, 64);
+        TLOAD(6, x0 + kb * 16 * g->Mp, sx);
+        TLOAD(4, w0 + 32 * kb, sw);
+        TLOAD(5, w1 + 32 * kb, sw);
         _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(1, 5, 6);
         if (nt > 1) {
-            TLOAD(5, a1 + 32 * kb, s1);
-            _tile_dpbf16ps(2, 5, 6);
+            TLOAD(7, x1 + kb * 16 * g->Mp, sx);
+            _tile_dpbf16ps(2, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
         }
     }
     TSTORE(0, &buf[0][0], 128);
-    TSTORE(1, &buf[0][16], 128);
+    TSTORE(1, &buf[16][0], 128);
     if (nt > 1) {
-        TSTORE(2, &buf[16][0], 128);
+        TSTORE(2, &buf[0][16], 128);
         TSTORE(3, &buf[16][16], 128);
     }
     BARRIER(buf);
-    epilogue(g, &buf[0][0], 32, 16 * t0, nt * 16, 32 * q, 32);
+    epilogue16(g, &buf[0][0], n0, m0);
+    epilogue16(g, &buf[16][0], n0 + 16, m0);
+    if (nt > 1) {
+        epilogue16(g, &buf[0][16], n0, m0 + 16);
+        epilogue16(g, &buf[16][16], n0 + 16, m0 + 16);
+    }
 }
-/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias), W packed by pack(); 0 on success */
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ w[N, K]^T (+ bias), w row-major and
+   contiguous; 0 on success */
 int amx_linear(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias, bf16 *y, int64_t ldy, int64_t M,
                int64_t N, int64_t K, int nthreads) {
     if (K % 32 != 0 || M < 1 || N < 1) return -1;
-    bf16 *tail = NULL;
-    if (M % 16 != 0) { /* the last row tile, zero-padded to 16 rows */
-        tail = calloc(16 * K, sizeof(bf16));
-        if (!tail) return -2;
-        const int64_t t = M / 16;
-        for (int64_t r = 0; r < M - 16 * t; r++) memcpy(tail + r * K, x + (16 * t + r) * ldx, K * sizeof(bf16));
+    const int64_t Mp = (M + 15) / 16 * 16, blocks = (N + 31) / 32;
+    /* the packed activations and W's padded last row tile, in buffers kept per calling thread (a
+       fresh allocation of this size is an mmap and its page faults at every call) */
+    static __thread uint32_t *xt = NULL;
+    static __thread size_t xt_size = 0;
+    const size_t need = (size_t)(K / 2) * Mp * 4 + (size_t)32 * K;
+    if (need > xt_size) {
+        free(xt);
+        xt = aligned_alloc(64, (need + 63) / 64 * 64);
+        xt_size = xt ? need : 0;
+        if (!xt) return -2;
     }
-    BARRIER(tail);
-    const gemm_t g = {x, w, bias, tail, y, ldx, ldy, M, N, K};
-    const int64_t pairs = (N + 31) / 32, tiles = (M + 15) / 16;
+    pack_x(x, ldx, M, Mp, K, xt);
+    bf16 *wtail = NULL;
+    if (N % 16 != 0) { /* W's last row tile, zero-padded to 16 rows, after the activations */
+        wtail = (bf16 *)(xt + (K / 2) * Mp);
+        memset(wtail, 0, 32 * K);
+        memcpy(wtail, w + N / 16 * 16 * K, (N % 16) * K * sizeof(bf16));
+    }
+    BARRIER(xt);
+    BARRIER(wtail);
+    const gemm_t g = {w, bias, wtail, xt, y, ldy, M, Mp, N, K};
+    const int64_t chunks = (Mp / 16 + 1) / 2, step = (2048 / chunks + 63) & ~63;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         configure(); /* per thread, at every call: others configure tiles their own way */
-        float buf[64][32] __attribute__((aligned(64)));
+        float buf[32][32] __attribute__((aligned(64)));
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t q0 = pairs * id / nt, q1 = pairs * (id + 1) / nt;
-        for (int64_t tb = 0; tb < tiles; tb += M_BLOCK / 16) {
-            const int64_t te = tb + M_BLOCK / 16 < tiles ? tb + M_BLOCK / 16 : tiles;
-            /* the pair PF_PAIRS ahead is prefetched in equal parts over this pair's row chunks */
-            const int64_t chunks = (te - tb + 1) / 2, step = (2048 / chunks + 63) & ~63;
-            for (int64_t q = q0; q < q1; q++) {
-                const char *pf = q + PF_PAIRS < q1 ? (const char *)(w + (q + PF_PAIRS) * (K / 32) * 1024) : NULL;
-                for (int64_t t = tb, c = 0; t < te; t += 2, c++)
-                    chunk(&g, q, t, te - t >= 2 ? 2 : 1, pf ? pf + c * (K / 32) * step : NULL, (int)step, buf);
-            }
+        const int64_t q0 = blocks * id / nt, q1 = blocks * (id + 1) / nt;
+        /* W streams through in blocks of 32 rows (contiguous); the block PF_BLOCKS ahead is prefetched
+           in equal parts over this block's chunks of 32 activation rows */
+        for (int64_t q = q0; q < q1; q++) {
+            const int64_t ahead = 32 * (q + PF_BLOCKS);
+            const char *pf = q + PF_BLOCKS < q1 && ahead + 32 <= N ? (const char *)(w + ahead * K) : NULL;
+            for (int64_t m0 = 0, c = 0; m0 < Mp; m0 += 32, c++)
+                chunk(&g, 32 * q, m0, Mp - m0 >= 32 ? 2 : 1, pf ? pf + c * (K / 32) * step : NULL, (int)step, buf);
         }
         _tile_release();
     }
-    free(tail);
     return 0;
 }
 """
 
 _FLAGS = (*cbuild.DEFAULT_FLAGS, "-mamx-tile", "-mamx-bf16", "-mavx512bf16")
-PAIR = 32  # output columns per panel pair (two 16-column B tiles)
 K_STEP = 32  # K per tile product (16 pairs)
 _lock = threading.Lock()
 _lib: list[ctypes.CDLL | None] = []
@@ -232,38 +287,25 @@ def available() -> bool:
     )
 
 
-class AmxPackedWeight:
-    """A ``[N, K]`` bf16 weight in the kernel's tile layout (one copy: ``N`` padded to 32, nothing else)."""
-
-    __slots__ = ("data", "n", "k")
-
-    def __init__(self, data: torch.Tensor, n: int, k: int) -> None:
-        self.data, self.n, self.k = data, n, k
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+def supports(weight: torch.Tensor) -> bool:
+    """Whether the kernel takes this weight: [N, K] bf16 on the CPU, contiguous, K a multiple of 32."""
+    return (
+        weight.dim() == 2
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.shape[1] % K_STEP == 0
+        and weight.is_contiguous()
+    )
 
 
-def pack(w: torch.Tensor) -> AmxPackedWeight | None:
-    """``w`` [N, K] (bf16, CPU) in the tile layout of the module docstring, or None where the kernel
-    cannot take it (another dtype or device, K not a multiple of 32)."""
-    if w.dim() != 2 or w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.shape[1] % K_STEP != 0:
-        return None
-    n, k = w.shape
-    n_pad = -n % PAIR
-    w = w.detach()
-    if n_pad:
-        w = torch.cat([w, w.new_zeros(n_pad, k)])
-    # [pair, j, c, kb, r, e] -> [pair, kb, j, r, c, e]: tile j of step kb holds W[n0 + 16 j + c, k0 + 2 r + e]
-    tiles = w.reshape(-1, 2, 16, k // K_STEP, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
-    return AmxPackedWeight(tiles, n, k)
-
-
-def linear(x: torch.Tensor, packed: AmxPackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W^T (+ bias)`` for ``x`` [..., K] bf16 through the AMX kernel (rows with a stride are read
-    in place; a last dim with a stride is copied first); the caller checks :func:`available`."""
-    k, n = packed.k, packed.n
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T (+ bias)`` for ``x`` [..., K] bf16 through the AMX kernel (rows with a stride are
+    read in place; a last dim with a stride is copied first); the caller checks :func:`available`."""
+    if not supports(weight):
+        raise ValueError(
+            f"weight: [N, K] contiguous bf16 with K % {K_STEP} == 0 required, got {tuple(weight.shape)}"
+        )
+    n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x: last dim {x.shape[-1]} differs from the weight's K {k}")
     if x.dtype != torch.bfloat16 or (bias is not None and bias.dtype != torch.bfloat16):
@@ -279,7 +321,7 @@ def linear(x: torch.Tensor, packed: AmxPackedWeight, bias: torch.Tensor | None =
         rc = _library().amx_linear(
             x2.data_ptr(),
             x2.stride(0),
-            packed.data.data_ptr(),
+            weight.data_ptr(),
             None if bias is None else bias.data_ptr(),
             y.data_ptr(),
             n,

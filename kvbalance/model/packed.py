@@ -1,26 +1,25 @@
-"""Matmuls through pre-packed weights on the CPU: MKL's packed GEMM (float32), and for bfloat16 on CPUs
-with native bf16 dot products either the AMX kernel's tile layout (:mod:`kvbalance.model.amx_gemm`,
-where it runs) or oneDNN's blocked layout. :func:`linear` is ``layer(x)`` through the layer's packed
-copy where ``LlamaModel.pack_weights_for_cpu`` made one.
+"""Matmuls through pre-packed weights on the CPU: MKL's packed GEMM (float32) and oneDNN's blocked
+layout (bfloat16 on CPUs with native bf16 dot products). :func:`linear` is ``layer(x)`` through the
+layer's packed copy where ``LlamaModel.pack_weights_for_cpu`` made one.
 
-With the AMX layout, calls of at most :data:`AMX_MAX_ROWS` rows (a decode step's linears and LM head)
-run the AMX kernel, and larger ones (prefill) oneDNN on the plain weight, so the packed copy stays the
-only extra copy of the weight; so does every call the kernel cannot take (grad mode, another dtype,
-``KVBALANCE_NATIVE_AMX=0`` set after packing).
+bfloat16 calls of at most :data:`AMX_MAX_ROWS` rows (a decode step's linears and its LM head) run the
+AMX kernel of :mod:`kvbalance.model.amx_gemm` instead, where it runs: it streams the plain weight
+(no second packed copy) and reaches the memory rate these memory-bound shapes need; larger calls
+(prefill) and every call it cannot take (grad mode, another dtype, K not a multiple of 32,
+``KVBALANCE_NATIVE_AMX=0``) stay on oneDNN's packed weight.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvbalance.model import amx_gemm
 
 PACK_ROWS_HINT = 64  # rows MKL tunes its packed weight layout for (a decode batch)
-# Most rows a call runs through the AMX kernel; beyond it the GEMM is compute-bound and oneDNN's is
-# as fast (benchmarks/bench_gemm.py on one core, 30 cold layers of SmolLM2: see amx_gemm's docstring).
-AMX_MAX_ROWS = 64
+# Most rows a bf16 call runs through the AMX kernel; beyond, oneDNN's packed GEMM is as fast
+# (benchmarks/bench_gemm.py on one core, 30 cold layers of SmolLM2: see amx_gemm's docstring).
+AMX_MAX_ROWS = 128
 
 
 def _can_pack(w: torch.Tensor) -> bool:
@@ -46,10 +45,6 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     # unpacked GEMM's.
     if w.dtype == torch.float32:
         return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
-    if amx_gemm.available():
-        packed = amx_gemm.pack(w)  # None where K is not a multiple of 32
-        if packed is not None:
-            return packed
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
 
 
@@ -64,20 +59,16 @@ def _amx_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
         and x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and (bias is None or bias.dtype == torch.bfloat16)
+        and amx_gemm.supports(weight)
         and amx_gemm.available()
     )
 
 
 def _packed_linear(
-    x: torch.Tensor,
-    packed: torch.Tensor | amx_gemm.AmxPackedWeight,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    if isinstance(packed, amx_gemm.AmxPackedWeight):
-        if _amx_takes(x, weight, bias):
-            return amx_gemm.linear(x, packed, bias)
-        return F.linear(x, weight, bias)  # oneDNN on the plain weight (prefill's many rows)
+    if weight.dtype == torch.bfloat16 and _amx_takes(x, weight, bias):
+        return amx_gemm.linear(x, weight, bias)  # few rows: the AMX kernel on the plain weight
     if weight.dtype == torch.float32:
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.numel() // x.shape[-1])
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
