@@ -3,12 +3,12 @@
 ``layers``: one decode step's 120 layer linears (30 layers x fused QKV [960x576], o [576x576], fused
 gate-up [3072x576], down [576x1536]) with 30 layers of distinct weights (212 MB, so nothing stays in
 cache, as in the real model), then the tied LM head [49152x576]; ms per step, GB/s of weight read,
-GFLOP/s, for oneDNN's pre-packed weight, oneDNN's plain weight (what the dispatch in packed.py runs
-above ``AMX_MAX_ROWS``) and the AMX kernel. The paths alternate run by run (the machine is shared:
+GFLOP/s, for oneDNN's pre-packed weight (what packed.py runs above ``AMX_MAX_ROWS`` rows), oneDNN on
+the plain weight (``F.linear``, for reference) and the AMX kernel (on the plain weight). The paths alternate run by run (the machine is shared:
 each sees the same load) and each figure is the best of ``--reps``.
 
 ``engine``: the real engine's decode step (``--batch`` sequences at context ``--context``), steps
-alternating between the oneDNN-packed and the AMX-packed weights in one process: CPU ms per step, of
+alternating between oneDNN and the AMX kernel (``packed.AMX_MAX_ROWS`` set to 0 and back) in one process: CPU ms per step, of
 it the layers' linears and the LM head (``compute_logits``), medians over ``--steps`` steps each.
 
     taskset -c 1 .venv/bin/python benchmarks/bench_gemm.py layers --reps 7
@@ -60,7 +60,7 @@ def bench_shapes(shapes: tuple[tuple[int, int], ...], layers: int, rows: tuple[i
     ]
     packs = {"oneDNN": [[_onednn_pack(w) for w in ws] for ws in weights], "plain": weights}
     if amx_gemm.available():
-        packs["AMX"] = [[amx_gemm.pack(w) for w in ws] for ws in weights]
+        packs["AMX"] = weights
     calls = {"oneDNN": _onednn, "plain": F.linear, "AMX": amx_gemm.linear}
     weight_bytes = sum(n * k * 2 for n, k in shapes) * layers
     for m in rows:
@@ -84,7 +84,7 @@ def bench_shapes(shapes: tuple[tuple[int, int], ...], layers: int, rows: tuple[i
 
 def bench_engine(batch: int, context: int, steps: int) -> None:
     from kvbalance.llm import LLMEngine
-    from kvbalance.model import llama
+    from kvbalance.model import llama, packed
     from kvbalance.request import SamplingParams
 
     eng = LLMEngine("smollm2-135m", num_threads=1)
@@ -98,11 +98,6 @@ def bench_engine(batch: int, context: int, steps: int) -> None:
     sched = eng.instance.scheduler
     while sched.waiting or any(not r.output_token_ids for r in sched.running):
         eng.step()
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    packs = {
-        "oneDNN": ([_onednn_pack(m.weight) for m in linears], _onednn_pack(model.embed.weight)),
-        "AMX": ([amx_gemm.pack(m.weight) for m in linears], amx_gemm.pack(model.embed.weight)),
-    }
     spent = {"linear": 0.0, "logits": 0.0}
 
     def timed(key: str, f):
@@ -117,13 +112,11 @@ def bench_engine(batch: int, context: int, steps: int) -> None:
 
     llama.linear = timed("linear", llama.linear)
     model.compute_logits = timed("logits", model.compute_logits)
-    figures = {name: {"step": [], "linear": [], "logits": []} for name in packs}
+    rows_amx = packed.AMX_MAX_ROWS
+    figures = {name: {"step": [], "linear": [], "logits": []} for name in ("oneDNN", "AMX")}
     for i in range(2 * steps + 2):  # two warm-up steps
         name = "AMX" if i % 2 else "oneDNN"
-        layer_packs, head = packs[name]
-        for m, p in zip(linears, layer_packs):
-            m.packed_weight = p
-        model._packed_embed = head
+        packed.AMX_MAX_ROWS = rows_amx if name == "AMX" else 0
         spent.update(linear=0.0, logits=0.0)
         t0 = time.process_time()
         eng.step()

@@ -160,10 +160,36 @@ static void epilogue16(const gemm_t *g, const float *buf, int64_t n0, int64_t m0
                                  (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j])));
 }
 
+/* A chunk's C^T tiles waiting in buf for their epilogue (run while the next chunk's products are in
+   flight: the vector work then overlaps the tile unit's) */
+typedef struct {
+    float (*buf)[32];
+    int64_t n0, m0;
+    int nt;
+} pending_t;
+
+static void finish(const gemm_t *g, pending_t *p) {
+    if (!p->buf) return;
+    BARRIER(p->buf);
+    epilogue16(g, &p->buf[0][0], p->n0, p->m0);
+    epilogue16(g, &p->buf[16][0], p->n0 + 16, p->m0);
+    if (p->nt > 1) {
+        epilogue16(g, &p->buf[0][16], p->n0, p->m0 + 16);
+        epilogue16(g, &p->buf[16][16], p->n0 + 16, p->m0 + 16);
+    }
+    p->buf = NULL;
+}
+
+#ifndef EPILOGUE_AT
+#define EPILOGUE_AT 1 /* the K step of the next chunk after which the pending epilogue runs */
+#endif
+
 /* W rows n0 .. n0 + 31 x the activations' columns of B tiles m0 .. m0 + 16 * nt - 1 (nt = 1 or 2):
    C^T in tmm0-3 (n tile i, m tile j: tmm 2 j + i), W tiles in tmm4, 5, x tiles in tmm6, 7; pf_step
-   bytes of the prefetch stream pf (NULL: none) issued per K step */
-static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *pf, int pf_step, float (*buf)[32]) {
+   bytes of the prefetch stream pf (NULL: none) issued per K step. The tiles go to buf, and the
+   epilogue of the previous chunk (pend) runs after EPILOGUE_AT K steps; this chunk's becomes pend. */
+static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *pf, int pf_step, float (*buf)[32],
+                  pending_t *pend) {
     const int64_t KB = g->K / 32, sw = 2 * g->K, sx = 4 * g->Mp;
     const bf16 *w0 = w_tile(g, n0), *w1 = w_tile(g, n0 + 16);
     const uint32_t *x0 = g->xt + m0, *x1 = g->xt + m0 + 16;
@@ -184,6 +210,7 @@ static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *p
             _tile_dpbf16ps(2, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
         }
+        if (kb == EPILOGUE_AT || kb == KB - 1) finish(g, pend);
     }
     TSTORE(0, &buf[0][0], 128);
     TSTORE(1, &buf[16][0], 128);
@@ -192,12 +219,7 @@ static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *p
         TSTORE(3, &buf[16][16], 128);
     }
     BARRIER(buf);
-    epilogue16(g, &buf[0][0], n0, m0);
-    epilogue16(g, &buf[16][0], n0 + 16, m0);
-    if (nt > 1) {
-        epilogue16(g, &buf[0][16], n0, m0 + 16);
-        epilogue16(g, &buf[16][16], n0 + 16, m0 + 16);
-    }
+    *pend = (pending_t){buf, n0, m0, nt};
 }
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ w[N, K]^T (+ bias), w row-major and
@@ -231,7 +253,9 @@ int amx_linear(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias, bf16
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         configure(); /* per thread, at every call: others configure tiles their own way */
-        float buf[32][32] __attribute__((aligned(64)));
+        float buf[2][32][32] __attribute__((aligned(64))); /* this chunk's tiles, the previous one's */
+        pending_t pend = {NULL, 0, 0, 0};
+        int flip = 0;
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t q0 = blocks * id / nt, q1 = blocks * (id + 1) / nt;
         /* W streams through in blocks of 32 rows (contiguous); the block PF_BLOCKS ahead is prefetched
@@ -240,8 +264,10 @@ int amx_linear(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias, bf16
             const int64_t ahead = 32 * (q + PF_BLOCKS);
             const char *pf = q + PF_BLOCKS < q1 && ahead + 32 <= N ? (const char *)(w + ahead * K) : NULL;
             for (int64_t m0 = 0, c = 0; m0 < Mp; m0 += 32, c++)
-                chunk(&g, 32 * q, m0, Mp - m0 >= 32 ? 2 : 1, pf ? pf + c * (K / 32) * step : NULL, (int)step, buf);
+                chunk(&g, 32 * q, m0, Mp - m0 >= 32 ? 2 : 1, pf ? pf + c * (K / 32) * step : NULL, (int)step,
+                      buf[flip ^= 1], &pend);
         }
+        finish(&g, &pend);
         _tile_release();
     }
     return 0;

@@ -19,7 +19,7 @@ from kvbalance.model import amx_gemm
 PACK_ROWS_HINT = 64  # rows MKL tunes its packed weight layout for (a decode batch)
 # Most rows a bf16 call runs through the AMX kernel; beyond, oneDNN's packed GEMM is as fast
 # (benchmarks/bench_gemm.py on one core, 30 cold layers of SmolLM2: see amx_gemm's docstring).
-AMX_MAX_ROWS = 128
+AMX_MAX_ROWS = 64
 
 
 def _can_pack(w: torch.Tensor) -> bool:
