@@ -51,12 +51,7 @@ _SOURCE = r"""
 #include <unistd.h>
 
 typedef uint16_t bf16;
-#ifndef PF_BLOCKS
-#define PF_BLOCKS 1 /* 32-row blocks of W prefetched ahead */
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T1 /* into L2 */
-#endif
+#define PF_BLOCKS 1 /* 32-row blocks of W prefetched ahead (into L2); 2 measured no better */
 
 /* tile numbers are literals; the asm claims no memory, so BARRIER orders C accesses around it */
 #define TLOAD_(t, base, stride) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t : : "r"(base), "r"((long)(stride)))
@@ -180,9 +175,7 @@ static void finish(const gemm_t *g, pending_t *p) {
     p->buf = NULL;
 }
 
-#ifndef EPILOGUE_AT
 #define EPILOGUE_AT 1 /* the K step of the next chunk after which the pending epilogue runs */
-#endif
 
 /* W rows n0 .. n0 + 31 x the activations' columns of B tiles m0 .. m0 + 16 * nt - 1 (nt = 1 or 2):
    C^T in tmm0-3 (n tile i, m tile j: tmm 2 j + i), W tiles in tmm4, 5, x tiles in tmm6, 7; pf_step
@@ -199,7 +192,7 @@ static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *p
     _tile_zero(3);
     for (int64_t kb = 0; kb < KB; kb++) {
         if (pf)
-            for (int l = 0; l < pf_step; l += 64) _mm_prefetch(pf + kb * pf_step + l, PF_HINT);
+            for (int l = 0; l < pf_step; l += 64) _mm_prefetch(pf + kb * pf_step + l, _MM_HINT_T1);
         TLOAD(6, x0 + kb * 16 * g->Mp, sx);
         TLOAD(4, w0 + 32 * kb, sw);
         TLOAD(5, w1 + 32 * kb, sw);
@@ -293,8 +286,13 @@ def _library() -> ctypes.CDLL | None:
                     lib = ctypes.CDLL(str(out))
                     lib.amx_available.restype = ctypes.c_int
                     fn = lib.amx_linear
-                    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3
-                    fn.argtypes += [ctypes.c_int64] * 4 + [ctypes.c_int]
+                    fn.argtypes = [
+                        ctypes.c_void_p,
+                        ctypes.c_int64,
+                        *[ctypes.c_void_p] * 3,
+                        *[ctypes.c_int64] * 4,
+                        ctypes.c_int,
+                    ]
                     fn.restype = ctypes.c_int
                     if not lib.amx_available():
                         lib = None
