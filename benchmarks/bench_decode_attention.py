@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kvbalance.executor import hugepages
 from kvbalance.model import native
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 30, 3, 3, 64, 64, 1024
@@ -86,11 +87,15 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="git revision whose kernel to time too (e.g. main)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3, help="steps per repeat")
+    ap.add_argument("--small-pages", action="store_true", help="4 KiB pages (the engine uses huge pages)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     shape = (LAYERS, 2, KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM)
-    cache = (torch.randn(shape, generator=gen) * 0.5).bfloat16()  # ~1.5 GB, the engine's layout
+    cache = hugepages.zeros(shape, torch.bfloat16)  # ~1.5 GB, the engine's layout and pages
+    if args.small_pages:
+        cache = torch.zeros(shape, dtype=torch.bfloat16)
+    cache.copy_(torch.randn(shape, generator=gen) * 0.5)
     fns = variants(load_baseline(args.baseline) if args.baseline else None)
     print(
         f"layers {LAYERS}, kv_heads {KV_HEADS}, group {GROUP}, head_dim {HEAD_DIM}, bf16 KV and q, "

@@ -59,6 +59,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from roofline import roofline_seconds, stream_read_gbs
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACE_NAME = "sharegpt_opt_lengths_filtered2048.csv"  # in $KVBALANCE_TRACES, else ../shared/traces
@@ -310,7 +311,7 @@ def _run_system(name: str, args, prompts, outputs, threads: int, best: tuple[int
 # -- main ------------------------------------------------------------------------------------------------------
 
 
-def _row(name: str, r: dict, limit_tok_s: float) -> str:
+def _row(name: str, r: dict, limit_tok_s: float, roof_tok_s: float) -> str:
     if "error" in r:
         return f"{name:<20}failed: {r['error'][:300]}"
     cpu_tps = r["output_tokens"] / r["cpu_s"]
@@ -319,10 +320,10 @@ def _row(name: str, r: dict, limit_tok_s: float) -> str:
     setting = f"{s.get('max_num_batched_tokens', '-')}/{s.get('max_num_seqs', '-')} {row_dtype(r)[:4]}"
     if "requests" in s:
         setting = f"{s['requests']} req"
-    share = 100 * cpu_tps / limit_tok_s
+    share, roof_share = 100 * cpu_tps / limit_tok_s, 100 * wall_tps / roof_tok_s
     return (
         f"{name:<20}{setting:>17}{cpu_tps:>10.1f}{wall_tps:>10.1f}{r['cpu_s']:>9.1f}{r['wall_s']:>9.1f}"
-        f"{limit_tok_s:>9.0f}{share:>7.0f}%"
+        f"{limit_tok_s:>9.0f}{share:>7.0f}%{roof_tok_s:>9.0f}{roof_share:>7.0f}%"
     )
 
 
@@ -362,19 +363,22 @@ def main(argv: list[str] | None = None) -> int:
         systems = [s for s in systems if not s.startswith("vllm")]
     best_tokens, best_seqs = (int(x) for x in args.kvb_best.split(","))
     thread_counts = [int(t) for t in args.threads.split(",")]
-    gemm = {}
+    gemm, read_gbs = {}, {}
     for t in thread_counts:  # on the cores the systems will run on (an unpinned thread measured 2.5x slower)
         if not args.no_pin:
             pin_cores(t)
         gemm.update({(d, t): gemm_gflops(t, d) for d in ("float32", "bfloat16")})
+        read_gbs[t] = stream_read_gbs(t)
     print("GEMM [512x576]x[576x3072] on this CPU: "
-          + ", ".join(f"{d} {g:.0f} GFLOP/s with {t} thread(s)" for (d, t), g in gemm.items()))  # fmt: skip
+          + ", ".join(f"{d} {g:.0f} GFLOP/s with {t} thread(s)" for (d, t), g in gemm.items())
+          + "; DRAM read " + ", ".join(f"{g:.1f} GB/s with {t} thread(s)" for t, g in read_gbs.items()))  # fmt: skip
     result = {
         "machine": {
             "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
             "load_avg_at_start": os.getloadavg(),
             "gemm_gflops_by_dtype_threads": {f"{d} x{t}": g for (d, t), g in gemm.items()},
+            "dram_read_gbs_by_threads": {f"x{t}": g for t, g in read_gbs.items()},
         },
         "workloads": {},
     }
@@ -382,6 +386,13 @@ def main(argv: list[str] | None = None) -> int:
         lengths = load_lengths(trace, wl, args.num_requests, args.max_input, args.max_output)
         prompts, outputs = make_prompts(lengths), [o for _, o in lengths]
         flops = matmul_flops(config, prompts, outputs)
+        roof = {  # output tok/s at the roofline (roofline.py) per (dtype, threads)
+            (d, t): sum(outputs)
+            / roofline_seconds(
+                config, lengths, read_gbs[t], gemm[d, t], *(2, 2) if d == "bfloat16" else (4, 4)
+            )["total_s"]
+            for (d, t) in gemm
+        }
         info = {
             "requests": len(lengths),
             "input_tokens": sum(i for i, _ in lengths),
@@ -404,13 +415,14 @@ def main(argv: list[str] | None = None) -> int:
                     lim = sum(outputs) / (flops / (gemm[row_dtype(r), threads] * 1e9))
                     if "error" not in r and r.get("output_tokens") != sum(outputs) and name != "hf":
                         r["error"] = f"produced {r.get('output_tokens')} of {sum(outputs)} output tokens"
-                    print(_row(f"{name} x{threads}", r, lim), flush=True)
+                    print(_row(f"{name} x{threads}", r, lim, roof[row_dtype(r), threads]), flush=True)
         info["flop_bound_output_tok_s_by_dtype_threads"] = {
             f"{d} x{t}": sum(outputs) / (flops / (g * 1e9)) for (d, t), g in gemm.items()
         }
+        info["roofline_output_tok_s_by_dtype_threads"] = {f"{d} x{t}": v for (d, t), v in roof.items()}
         info["runs"] = runs
         result["workloads"][wl] = info
-        _summary(wl, info, runs, gemm, wall=not args.no_pin)
+        _summary(wl, info, runs, gemm, roof, wall=not args.no_pin)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.is_file():  # keep workloads measured by an earlier run
@@ -435,21 +447,28 @@ def pin_cores(threads: int) -> None:
 
 
 def _summary(
-    wl: str, info: dict, runs: dict[str, list[dict]], gemm: dict[tuple[str, int], float], wall: bool
+    wl: str,
+    info: dict,
+    runs: dict[str, list[dict]],
+    gemm: dict[tuple[str, int], float],
+    roof: dict[tuple[str, int], float],
+    wall: bool,
 ) -> None:
     head = f"{'system x threads':<20}{'tok/step dtype':>17}{'tok/cpu-s':>10}{'tok/s':>10}{'cpu s':>9}{'wall s':>9}"
     print(f"\n{wl}: median of {max(len(v) for v in runs.values())} run(s); output tokens per CPU second "
-          f"(all threads and processes) and per wall second; FLOP-bound limit and share of it (CPU time)")  # fmt: skip
-    print(head + f"{'limit':>9}{'share':>8}")
+          f"(all threads and processes) and per wall second; FLOP-bound limit and share of it (CPU time); "
+          f"roofline (roofline.py: DRAM read + GEMM rate) and share of it (wall time)")  # fmt: skip
+    print(head + f"{'limit':>9}{'share':>8}{'roof':>9}{'share':>8}")
     for name, rs in runs.items():
         ok = [r for r in rs if "error" not in r]
         threads = rs[0]["threads"]
         lim = info["output_tokens"] / (info["matmul_tflop"] * 1e12 / (gemm[row_dtype(rs[0]), threads] * 1e9))
+        rf = roof[row_dtype(rs[0]), threads]
         if not ok:
-            print(_row(name, rs[0], lim))
+            print(_row(name, rs[0], lim, rf))
             continue
         ok.sort(key=lambda r: r["output_tokens"] / r["cpu_s"])
-        print(_row(name, ok[len(ok) // 2], lim))
+        print(_row(name, ok[len(ok) // 2], lim, rf))
     for name, rs in runs.items():
         if name.startswith("kvb") and "error" not in rs[0]:
             r = rs[0]

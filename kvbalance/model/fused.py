@@ -202,6 +202,55 @@ void silu_and_mul(const bf16 *gu, int64_t gs, bf16 *out, int64_t os, int64_t T, 
     }
 }
 
+/* -- argmax of each row: the first index of its maximum, as torch.argmax (a NaN counts as the maximum).
+   Lane l keeps the first maximum among elements l, l + W, ... (a strict >), so the smallest index among
+   the lanes holding the row maximum is the row's first; -0 and +0 compare equal, as in torch -- */
+static inline float widen1(bf16 h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+static int64_t argmax_scalar(const bf16 *r, int64_t n) {
+    int64_t bi = 0;
+    float bv = widen1(r[0]);
+    for (int64_t j = 0; j < n; j++) {
+        const float v = widen1(r[j]);
+        if (v != v) return j;
+        if (v > bv) bv = v, bi = j;
+    }
+    return bi;
+}
+
+static int64_t argmax_row(const bf16 *r, int64_t n) {
+    if (n < W) return argmax_scalar(r, n);
+    vi idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, bidx = idx;
+    vf best = ld(r);
+    vi nan = (vi)(best != best);
+    int64_t i = W;
+    for (; i + W <= n; i += W) {
+        const vf v = ld(r + i);
+        const vi m = (vi)(v > best);
+        idx += W;
+        best = pick(m, v, best);
+        bidx = (m & idx) | (~m & bidx);
+        nan |= (vi)(v != v);
+    }
+    for (int l = 0; l < W; l++)
+        if (nan[l]) return argmax_scalar(r, n);
+    float bv = best[0];
+    int64_t bi = bidx[0];
+    for (int l = 1; l < W; l++)
+        if (best[l] > bv || (best[l] == bv && bidx[l] < bi)) bv = best[l], bi = bidx[l];
+    for (; i < n; i++) {
+        const float v = widen1(r[i]);
+        if (v != v) return i;
+        if (v > bv) bv = v, bi = i;
+    }
+    return bi;
+}
+
+void argmax_rows(const bf16 *x, int64_t xs, int64_t T, int64_t N, int64_t *out, int nthreads) {
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T > 1)
+    for (int64_t t = 0; t < T; t++) out[t] = argmax_row(x + t * xs, N);
+}
+
 /* -- RoPE, rotate-half, in place over the first H heads of D of each row; cos/sin [T, D/2] bf16 -- */
 static inline void rope_chunk(bf16 *x, int64_t H, int64_t D, vf c, vf s, int64_t n) {
     const int64_t half = D / 2;
@@ -240,6 +289,7 @@ def _load(name: str = "fused", flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | 
         "add_rms_norm": [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32],
         "silu_and_mul": [ptr, i64, ptr, i64, i64, i64, i32],
         "rope": [ptr, i64, i64, i64, i64, ptr, ptr, i64, i32],
+        "argmax_rows": [ptr, i64, i64, i64, ptr, i32],
     }
     for name, args in signatures.items():
         fn = getattr(lib, name)
@@ -349,3 +399,15 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
             x.data_ptr(), x.stride(0), t, num_heads, head_dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
             torch.get_num_threads(),
         )  # fmt: skip
+
+
+def argmax_rows(x: torch.Tensor) -> list[int]:
+    """The first index of each row's maximum of ``x`` [T, N] (a NaN counts as the maximum), as
+    ``torch.argmax(x, -1)``: the greedy token of a bf16 model's logits without a float32 copy."""
+    t, n = _rows(x, "x")
+    if n == 0:
+        raise ValueError("x: rows are empty (no maximum)")
+    out = torch.empty(t, dtype=torch.int64)
+    if t:
+        library().argmax_rows(x.data_ptr(), x.stride(0), t, n, out.data_ptr(), torch.get_num_threads())
+    return out.tolist()

@@ -1,0 +1,43 @@
+"""executor/hugepages.py: zeroed tensors on memory advised for transparent huge pages."""
+
+import gc
+
+import pytest
+import torch
+
+from kvbalance.executor import hugepages
+
+needs_thp = pytest.mark.skipif(not hugepages.available(), reason="no MADV_HUGEPAGE on this platform")
+
+
+def _vm_flags(ptr: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds address ``ptr`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+@needs_thp
+def test_a_large_tensor_is_zeroed_writable_and_advised_for_huge_pages():
+    t = hugepages.zeros((3, 1024, 1024), torch.bfloat16)  # 6 MiB
+    assert t.shape == (3, 1024, 1024) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert not t.any()
+    assert "hg" in _vm_flags(t.data_ptr())  # madvise(MADV_HUGEPAGE) reached the kernel
+    gc.collect()  # the tensor alone keeps its mapping alive
+    t[2, 1023, 1023] = 7.0
+    t[0].fill_(1.0)
+    assert t.float().sum().item() == 1024 * 1024 + 7.0
+
+
+def test_small_or_non_cpu_tensors_are_plain_zeros():
+    t = hugepages.zeros((4, 8), torch.float32)
+    assert t.shape == (4, 8) and not t.any()
+    if hugepages.available():
+        assert "hg" not in _vm_flags(t.data_ptr())
