@@ -4,15 +4,17 @@
 gate-up [3072x576], down [576x1536]) with 30 layers of distinct weights (212 MB, so nothing stays in
 cache, as in the real model), then the tied LM head [49152x576]; ms per step, GB/s of weight read,
 GFLOP/s, for oneDNN's pre-packed weight (what packed.py runs above ``AMX_MAX_ROWS`` rows), oneDNN on
-the plain weight (``F.linear``, for reference) and the AMX kernel (on the plain weight). The paths alternate run by run (the machine is shared:
-each sees the same load) and each figure is the best of ``--reps``.
+the plain weight (``F.linear``, for reference) and the AMX kernel (on the plain weight). The paths
+alternate run by run (the machine is shared: each sees the same load); each figure is the best of
+``--reps``.
 
 ``engine``: the real engine's decode step (``--batch`` sequences at context ``--context``), steps
-alternating between oneDNN and the AMX kernel (``packed.AMX_MAX_ROWS`` set to 0 and back) in one process: CPU ms per step, of
-it the layers' linears and the LM head (``compute_logits``), medians over ``--steps`` steps each.
+alternating in one process between oneDNN (``packed.AMX_MAX_ROWS`` = 0) and the AMX kernel (its
+value, or ``--amx-rows``): CPU ms per step and of it the layers' linears and the LM head
+(``compute_logits``), medians over ``--steps`` steps each.
 
     taskset -c 1 .venv/bin/python benchmarks/bench_gemm.py layers --reps 7
-    taskset -c 1 .venv/bin/python benchmarks/bench_gemm.py engine --batch 64 --context 300
+    taskset -c 1 .venv/bin/python benchmarks/bench_gemm.py engine --batch 32 --context 300
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def bench_shapes(shapes: tuple[tuple[int, int], ...], layers: int, rows: tuple[i
         print(f"M={m:4d}: " + " | ".join(cells) + ratio, flush=True)
 
 
-def bench_engine(batch: int, context: int, steps: int) -> None:
+def bench_engine(batch: int, context: int, steps: int, amx_rows: int | None) -> None:
     from kvbalance.llm import LLMEngine
     from kvbalance.model import llama, packed
     from kvbalance.request import SamplingParams
@@ -101,10 +103,10 @@ def bench_engine(batch: int, context: int, steps: int) -> None:
     spent = {"linear": 0.0, "logits": 0.0}
 
     def timed(key: str, f):
-        def wrapped(*args):
+        def wrapped(*args, **kwargs):
             t0 = time.process_time()
             try:
-                return f(*args)
+                return f(*args, **kwargs)
             finally:
                 spent[key] += time.process_time() - t0
 
@@ -112,7 +114,7 @@ def bench_engine(batch: int, context: int, steps: int) -> None:
 
     llama.linear = timed("linear", llama.linear)
     model.compute_logits = timed("logits", model.compute_logits)
-    rows_amx = packed.AMX_MAX_ROWS
+    rows_amx = packed.AMX_MAX_ROWS if amx_rows is None else amx_rows
     figures = {name: {"step": [], "linear": [], "logits": []} for name in ("oneDNN", "AMX")}
     for i in range(2 * steps + 2):  # two warm-up steps
         name = "AMX" if i % 2 else "oneDNN"
@@ -137,11 +139,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--amx-rows", type=int, default=None, help="engine: AMX_MAX_ROWS on the AMX side")
     args = p.parse_args()
     torch.set_num_threads(1)
     print(f"AMX kernel available: {amx_gemm.available()}")
     if args.what == "engine":
-        bench_engine(args.batch, args.context, args.steps)
+        bench_engine(args.batch, args.context, args.steps, args.amx_rows)
         return
     print(f"-- {LAYERS} layers of SmolLM2-135M linears (cold weights), per decode step")
     bench_shapes(LAYER_SHAPES, LAYERS, tuple(args.rows), args.reps)

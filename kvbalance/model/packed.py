@@ -17,9 +17,11 @@ from torch import nn
 from kvbalance.model import amx_gemm
 
 PACK_ROWS_HINT = 64  # rows MKL tunes its packed weight layout for (a decode batch)
-# Most rows a bf16 call runs through the AMX kernel; beyond, oneDNN's packed GEMM is as fast
-# (benchmarks/bench_gemm.py on one core, 30 cold layers of SmolLM2: see amx_gemm's docstring).
-AMX_MAX_ROWS = 64
+# Most rows a bf16 call runs through the AMX kernel. Measured on one core (benchmarks/bench_gemm.py,
+# 30 cold layers of SmolLM2 + LM head): 1.2-1.5x oneDNN up to 32 rows, a tie from 33 to 64 (a second
+# pass of 32 activation rows over each weight block), oneDNN ahead beyond. Up to 32 rows the two give
+# the same bits, so the dispatch changes no result.
+AMX_MAX_ROWS = 32
 
 
 def _can_pack(w: torch.Tensor) -> bool:
