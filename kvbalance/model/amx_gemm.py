@@ -1,34 +1,31 @@
 """An AMX bf16 GEMM for the decode step's linears: ``y = x @ W^T (+ bias)``, bf16 in, float32 tile
-accumulation, the output rounded once to bf16 (nearest even). Called by :mod:`kvbalance.model.packed`
+accumulation, the output rounded once to bf16 (nearest even). :mod:`kvbalance.model.packed` calls it
 for calls of few rows.
 
-A decode step's linears are memory-bound: each weight is read once per step for a few dozen rows, and
-oneDNN's AMX matmul on one thread streams SmolLM2's weights at only ~7-9 GB/s at 32-64 rows. This
-kernel streams the **plain** row-major weight (no packed copy: the weight is the tile operand as it
-lies) and reaches 11-13 GB/s up to 32 rows (benchmarks/bench_gemm.py):
+A decode step's linears are memory-bound (each weight read once per step for a few dozen rows), and
+oneDNN's AMX matmul on one thread streams SmolLM2's weights at only ~8 GB/s at 32 rows. This kernel
+streams the **plain** row-major weight (no packed copy) at 10-13 GB/s up to 32 rows:
 
-- **Transposed product**: it computes ``y^T = W x^T`` tile by tile. A tiles are 16 rows of W x 32 K
-  (a row-major weight is already that layout: a tile load with the row stride); B tiles are the
-  activations in VNNI pairs, ``xt[p][m] = (x[m][2p], x[m][2p + 1])``, packed once per call (16 x 16
-  transposes of 32-bit words in registers; the activations are <= a few hundred KB, in L1/L2).
-- **Blocking**: C^T is a 2 x 2 block of 16 x 16 float32 tiles (32 weight rows x 32 activation rows,
-  tmm0-3), two W tiles (tmm4, 5), two x tiles (tmm6, 7). W goes through in blocks of 32 rows
-  (contiguous, 2K bytes of row each); each block meets the activation rows 32 at a time while it sits
-  in L1/L2, and the block ``PF_BLOCKS`` ahead is prefetched into L2 (in equal parts over the block's
-  chunks) on top of the hardware prefetcher.
-- **Epilogue**: each C^T tile is stored to a float32 buffer, the bias (bf16, widened) added in float32,
-  the 16 x 16 block transposed in registers and each value rounded once to bf16 (``vcvtneps2bf16``).
+- **Transposed product** ``y^T = W x^T``: A tiles are 16 rows of W x 32 K, loaded in place with the
+  row stride; B tiles are the activations in VNNI pairs ``xt[p][m] = (x[m][2p], x[m][2p + 1])``,
+  packed at each call (16 x 16 transposes of 32-bit words; the activations are small, in L1/L2).
+- **Blocking**: C^T is 2 x 2 tiles of 16 x 16 float32 (32 weight rows x 32 activation rows, tmm0-3),
+  two W tiles (tmm4, 5), two x tiles (tmm6, 7). W goes through in contiguous blocks of 32 rows, each
+  meeting the activations 32 rows at a time while it sits in L1/L2; the next block is prefetched into
+  L2 (spread over the block's chunks) on top of the hardware prefetcher.
+- **Epilogue**: C^T tiles go to a float32 buffer; bias (widened bf16) added in float32, each 16 x 16
+  block transposed in registers and rounded once (``vcvtneps2bf16``) - run while the next chunk's
+  tile products are in flight.
 
-Numerics: the K sum runs in order in the tile accumulator, pair by pair as ``tdpbf16ps`` does, so the
-results are bit-identical to oneDNN's AMX kernel for calls of up to 32 rows (it accumulates the same
-way) and within an ulp of its kernel for more rows (a different accumulation order on a few outputs).
+Numerics: K is summed in order in the tile accumulator, pair by pair (``tdpbf16ps``), so results are
+bit-identical to oneDNN's AMX kernel for calls of up to 32 rows, and within an ulp of its kernel for
+more rows (which orders a few sums differently).
 
-K must be a multiple of 32 (:func:`supports`; the caller keeps oneDNN otherwise); W rows and
-activation rows past N and M are zero-padded copies (a tile load reads 16 rows). The tile configuration
-is loaded at every call (oneDNN and the attention kernel configure tiles their own way on the same
-thread) and released after. Runs only where the CPU has AMX-BF16 and the process was granted tile data
-(``arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)``), the compiler knows AMX, and ``KVBALANCE_NATIVE_AMX``
-/ ``KVBALANCE_NATIVE`` are not ``0``.
+K must be a multiple of 32 (:func:`supports`; callers keep oneDNN otherwise); W and activation rows
+past N and M are zero-padded copies. The tile configuration is loaded at every call (oneDNN and the
+attention kernel configure tiles their own way on the same thread) and released after. Runs where the
+CPU has AMX-BF16 and the process was granted tile data (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+XTILEDATA)``), the compiler knows AMX, and ``KVBALANCE_NATIVE_AMX`` / ``KVBALANCE_NATIVE`` are not 0.
 """
 
 from __future__ import annotations
