@@ -1,6 +1,12 @@
 """Matmuls through pre-packed weights on the CPU: MKL's packed GEMM (float32) and oneDNN's blocked
 layout (bfloat16 on CPUs with native bf16 dot products). :func:`linear` is ``layer(x)`` through the
 layer's packed copy where ``LlamaModel.pack_weights_for_cpu`` made one.
+
+bfloat16 calls of at most :data:`AMX_MAX_ROWS` rows (a decode step's linears and its LM head) run the
+AMX kernel of :mod:`kvbalance.model.amx_gemm` instead, where it runs: it streams the plain weight
+(no second packed copy) and reaches the memory rate these memory-bound shapes need; larger calls
+(prefill) and every call it cannot take (grad mode, another dtype, K not a multiple of 32,
+``KVBALANCE_NATIVE_AMX=0``) stay on oneDNN's packed weight.
 """
 
 from __future__ import annotations
@@ -8,7 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvbalance.model import amx_gemm
+
 PACK_ROWS_HINT = 64  # rows MKL tunes its packed weight layout for (a decode batch)
+# Most rows a bf16 call runs through the AMX kernel. Measured on one core (benchmarks/bench_gemm.py,
+# 30 cold layers of SmolLM2 + LM head): 1.2-1.5x oneDNN up to 32 rows, a tie from 33 to 64 (a second
+# pass of 32 activation rows over each weight block), oneDNN ahead beyond. Up to 32 rows the two give
+# the same bits, so the dispatch changes no result.
+AMX_MAX_ROWS = 32
 
 
 def _can_pack(w: torch.Tensor) -> bool:
@@ -37,9 +50,27 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
 
 
+def _amx_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    return (
+        0 < rows <= AMX_MAX_ROWS
+        and not grad
+        and x.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and (bias is None or bias.dtype == torch.bfloat16)
+        and amx_gemm.supports(weight)
+        and amx_gemm.available()
+    )
+
+
 def _packed_linear(
     x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
+    if weight.dtype == torch.bfloat16 and _amx_takes(x, weight, bias):
+        return amx_gemm.linear(x, weight, bias)  # few rows: the AMX kernel on the plain weight
     if weight.dtype == torch.float32:
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.numel() // x.shape[-1])
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
