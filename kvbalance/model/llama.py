@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbalance.model import fused, native
+from kvbalance.model import fused, native, native_prefill
 from kvbalance.model.llama_config import LLAMA_LIKE_ARCHS as LLAMA_LIKE_ARCHS  # re-exported
 from kvbalance.model.llama_config import LlamaConfig, rope_inv_freq
 from kvbalance.model.packed import _can_pack, _pack, _packed_linear, _version, linear
@@ -169,8 +169,6 @@ class Attention(nn.Module):
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
             return out.reshape(b, self.q_size).to(out_dtype)
         # one prefill chunk: [n, heads, hd] queries over its context, GQA without copying KV heads
-        from kvbalance.model import native_prefill  # here: this branch is all the kernel's change to llama.py
-
         if native_prefill.can_use(q, self.k_cache, self.v_cache):  # CPU AMX: the paged cache in place
             return native_prefill.paged_prefill_attention(
                 q, self.k_cache, self.v_cache, g.block_index, g.q_start, self.scale
