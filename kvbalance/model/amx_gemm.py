@@ -37,37 +37,23 @@ import threading
 import torch
 
 from kvbalance.model import cbuild
+from kvbalance.model.amx_prelude import AMX_PRELUDE
 
-_SOURCE = r"""
+_SOURCE = (
+    r"""
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 typedef uint16_t bf16;
 #define PF_BLOCKS 1 /* 32-row blocks of W prefetched ahead (into L2); 2 measured no better */
 
-/* tile numbers are literals; the asm claims no memory, so BARRIER orders C accesses around it */
-#define TLOAD_(t, base, stride) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t : : "r"(base), "r"((long)(stride)))
-#define TSTORE_(t, base, stride) \
-    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" : : "r"(base), "r"((long)(stride)))
-#define TLOAD(t, base, stride) TLOAD_(t, base, stride)
-#define TSTORE(t, base, stride) TSTORE_(t, base, stride)
-#define BARRIER(p) __asm__ volatile("" : : "r"(p) : "memory")
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
-
-int amx_available(void) {
-    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512bf16")) return 0;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-}
+"""
+    + AMX_PRELUDE
+    + r"""
+int amx_available(void) { return amx_cpu_and_permission(1); }
 
 static void configure(void) { /* all eight tiles 16 rows x 64 bytes */
     tilecfg_t c;
@@ -190,23 +176,23 @@ static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *p
     for (int64_t kb = 0; kb < KB; kb++) {
         if (pf)
             for (int l = 0; l < pf_step; l += 64) _mm_prefetch(pf + kb * pf_step + l, _MM_HINT_T1);
-        TLOAD(6, x0 + kb * 16 * g->Mp, sx);
-        TLOAD(4, w0 + 32 * kb, sw);
-        TLOAD(5, w1 + 32 * kb, sw);
+        TILE_LOAD(6, x0 + kb * 16 * g->Mp, sx);
+        TILE_LOAD(4, w0 + 32 * kb, sw);
+        TILE_LOAD(5, w1 + 32 * kb, sw);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 5, 6);
         if (nt > 1) {
-            TLOAD(7, x1 + kb * 16 * g->Mp, sx);
+            TILE_LOAD(7, x1 + kb * 16 * g->Mp, sx);
             _tile_dpbf16ps(2, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
         }
         if (kb == EPILOGUE_AT || kb == KB - 1) finish(g, pend);
     }
-    TSTORE(0, &buf[0][0], 128);
-    TSTORE(1, &buf[16][0], 128);
+    TILE_STORE(0, &buf[0][0], 128);
+    TILE_STORE(1, &buf[16][0], 128);
     if (nt > 1) {
-        TSTORE(2, &buf[0][16], 128);
-        TSTORE(3, &buf[16][16], 128);
+        TILE_STORE(2, &buf[0][16], 128);
+        TILE_STORE(3, &buf[16][16], 128);
     }
     BARRIER(buf);
     *pend = (pending_t){buf, n0, m0, nt};
@@ -263,6 +249,7 @@ int amx_linear(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias, bf16
     return 0;
 }
 """
+)
 
 _FLAGS = (*cbuild.DEFAULT_FLAGS, "-mamx-tile", "-mamx-bf16", "-mavx512bf16")
 K_STEP = 32  # K per tile product (16 pairs)

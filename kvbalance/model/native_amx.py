@@ -15,11 +15,11 @@ keys or the next unit's first — is prefetched into L2 row by row and scored 32
 unit), so the memory system and both units stay busy across block and sequence boundaries.
 """
 
-AMX_SOURCE = r"""
+from kvbalance.model.amx_prelude import AMX_PRELUDE
+
+AMX_SOURCE = (
+    r"""
 #if HAVE_AMX && KV_BF16 && IO_BF16 && (D == 32 || D == 64 || D == 128)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define AMX_PATH 1
 /* tile numbers are literals (the intrinsics name the register in the assembly) */
 #define NH (D / 32) /* 32-dim slices of a row: one B tile (q^T) each, tiles 0 .. NH-1 */
@@ -41,27 +41,10 @@ AMX_SOURCE = r"""
 #define SCORE_LAG 63
 #endif
 
-/* Tile loads and stores as asm the compiler keeps in order; they do not claim to touch memory (a
-   "memory" clobber in the weighted-sum loop would spill the accumulators), so the code puts
-   BARRIER(buffer) where a tile reads what C code wrote (the queries) or C code reads or overwrites
-   what a tile stored (the scores). */
-#define TILE_LOAD_(t, base, stride) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t : : "r"(base), "r"((long)(stride)))
-#define TILE_STORE_(t, base, stride) \
-    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" : : "r"(base), "r"((long)(stride)))
-#define BARRIER(p) __asm__ volatile("" : : "r"(p) : "memory")
-#define TILE_LOAD(t, base, stride) TILE_LOAD_(t, base, stride)
-#define TILE_STORE(t, base, stride) TILE_STORE_(t, base, stride)
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
-
-int amx_available(void) {
-    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512f")) return 0;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-}
+"""
+    + AMX_PRELUDE
+    + r"""
+int amx_available(void) { return amx_cpu_and_permission(0); }
 
 static void amx_configure(void) {
     tilecfg_t c;
@@ -348,3 +331,4 @@ static void attend_run_amx(const run_t *r, int64_t u0, float scale, io_t *restri
 int amx_available(void) { return 0; }
 #endif
 """
+)

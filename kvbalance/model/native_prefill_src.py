@@ -6,7 +6,10 @@ less accurate than torch's SDPA on random inputs (with the lazy maximum: the lar
 longer exactly 1).
 """
 
-PREFILL_SOURCE = r"""
+from kvbalance.model.amx_prelude import AMX_PRELUDE
+
+PREFILL_SOURCE = (
+    r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -20,24 +23,10 @@ PREFILL_SOURCE = r"""
 #define TAU 8.0f /* conditional rescaling: weights stay <= 2^TAU */
 #endif
 
-/* asm tile loads and stores the compiler keeps in order (see native_amx.py); BARRIER where C code
-   and tiles meet in memory */
-#define TL_(t, base, stride) __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t : : "r"(base), "r"((long)(stride)))
-#define TS_(t, base, stride) __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" : : "r"(base), "r"((long)(stride)))
-#define TL(t, b, s) TL_(t, b, s)
-#define TS(t, b, s) TS_(t, b, s)
-#define BARRIER() __asm__ volatile("" : : : "memory")
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
-
-int amx_available(void) {
-    if (!__builtin_cpu_supports("amx-bf16") || !__builtin_cpu_supports("avx512f")) return 0;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-}
+"""
+    + AMX_PRELUDE
+    + r"""
+int amx_available(void) { return amx_cpu_and_permission(0); }
 
 /* every tile 16 rows x 64 bytes. Scores: 0, 1 Q^T (B), 2 S^T (C), 3 K rows (A); weighted sums: 0, 1 P^T
    hi and lo (B), 2, 3 V^T (A); 4 .. 7 the O^T accumulators (C) throughout */
@@ -150,11 +139,11 @@ static inline void score_rows(const args_t *a, const uint16_t *kbase, int64_t j,
     if (j >= a->ctx) return; /* rows past the context: masked in block_max */
     const uint16_t *kr = kbase + (a->tab[j / a->bs] * a->bs + j % a->bs) * D;
     _tile_zero(2);
-    TL(3, kr, 2 * D);
+    TILE_LOAD(3, kr, 2 * D);
     _tile_dpbf16ps(2, 3, 0);
-    TL(3, kr + 32, 2 * D);
+    TILE_LOAD(3, kr + 32, 2 * D);
     _tile_dpbf16ps(2, 3, 1);
-    TS(2, dst, 64);
+    TILE_STORE(2, dst, 64);
 }
 
 /* The block's maximum (masking keys a lane may not attend: past the context or the lane's position),
@@ -190,16 +179,16 @@ static __m512 block_max(float (*s)[16], int64_t rows, int64_t j0, int64_t p0, co
 /* O^T += V^T P^T for one chunk of 32 keys (V^T [64 dims][32 keys] at vc; weights pt[0 .. 16), their residuals
    at pt[KB / 2 ..]) into accumulator tiles 4 .. 7; tiles 0 .. 3 are overwritten */
 static inline void chunk_pv(const uint16_t *vc, uint32_t (*pt)[16]) {
-    TL(0, pt[0], 64);
-    TL(1, pt[KB / 2], 64);
-    TL(2, vc, 64);
-    TL(3, vc + 16 * 32, 64);
+    TILE_LOAD(0, pt[0], 64);
+    TILE_LOAD(1, pt[KB / 2], 64);
+    TILE_LOAD(2, vc, 64);
+    TILE_LOAD(3, vc + 16 * 32, 64);
     _tile_dpbf16ps(4, 2, 0);
     _tile_dpbf16ps(5, 3, 0);
     _tile_dpbf16ps(4, 2, 1);
     _tile_dpbf16ps(5, 3, 1);
-    TL(2, vc + 32 * 32, 64);
-    TL(3, vc + 48 * 32, 64);
+    TILE_LOAD(2, vc + 32 * 32, 64);
+    TILE_LOAD(3, vc + 48 * 32, 64);
     _tile_dpbf16ps(6, 2, 0);
     _tile_dpbf16ps(7, 3, 0);
     _tile_dpbf16ps(6, 2, 1);
@@ -218,8 +207,8 @@ typedef struct {
 } deferred_t;
 
 static inline void reload_queries(uint32_t (*qt)[16][16]) {
-    TL(0, qt[0], 64);
-    TL(1, qt[1], 64);
+    TILE_LOAD(0, qt[0], 64);
+    TILE_LOAD(1, qt[1], 64);
 }
 static inline void defer_score(const args_t *a, deferred_t *w) {
     if (w->t < w->nsub) score_rows(a, w->kbase, w->j1 + 16 * w->t, w->nxt[16 * w->t]);
@@ -278,12 +267,12 @@ static inline int64_t block_rows(int64_t j0, int64_t limit) { /* score rows of t
 }
 
 static inline void store_acc(float (*ob)[16]) { /* accumulator tiles <-> ob [64 dims][16 queries] */
-    TS(4, ob[0], 64); TS(5, ob[16], 64); TS(6, ob[32], 64); TS(7, ob[48], 64);
-    BARRIER();
+    TILE_STORE(4, ob[0], 64); TILE_STORE(5, ob[16], 64); TILE_STORE(6, ob[32], 64); TILE_STORE(7, ob[48], 64);
+    BARRIER(0);
 }
 static inline void load_acc(float (*ob)[16]) {
-    BARRIER();
-    TL(4, ob[0], 64); TL(5, ob[16], 64); TL(6, ob[32], 64); TL(7, ob[48], 64);
+    BARRIER(0);
+    TILE_LOAD(4, ob[0], 64); TILE_LOAD(5, ob[16], 64); TILE_LOAD(6, ob[32], 64); TILE_LOAD(7, ob[48], 64);
 }
 
 /* 16 queries i0 .. of head h: block after block of 64 keys, block b's scores computed during block
@@ -303,7 +292,7 @@ static void attend_unit(const args_t *a, int64_t h, int64_t i0) {
     const uint16_t *kbase = a->k + kh * a->nb * a->bs * D, *vt = a->vt + kh * D * a->lps;
     const int64_t limit = a->ctx < p0 + 16 ? a->ctx : p0 + 16;
     __m512 m2 = _mm512_set1_ps(-1.0e30f), l = _mm512_setzero_ps();
-    BARRIER();
+    BARRIER(0);
     reload_queries(qt);
     _tile_zero(4);
     _tile_zero(5);
@@ -313,7 +302,7 @@ static void attend_unit(const args_t *a, int64_t h, int64_t i0) {
     deferred_t w = {kbase, vt, vt, qt, s[1], pt[1], 0, 0, 0, 0, 0}; /* nothing pending */
     for (int64_t j0 = 0, b = 0; j0 < limit; j0 += KB, b++) {
         const int64_t rows = block_rows(j0, limit);
-        BARRIER();
+        BARRIER(0);
         int rescale;
         const __m512 corr = block_max(s[b & 1], rows, j0, p0, a, &m2, &l, &rescale);
         if (rescale && j0 > 0) { /* the previous block's weighted sum first, then the correction */
@@ -328,7 +317,7 @@ static void attend_unit(const args_t *a, int64_t h, int64_t i0) {
         w.vnext = vt + (j0 + KB) * D;
         w.t = 0;
         block_weights(s[b & 1], rows, a, m2, &l, pt[b & 1], &w);
-        BARRIER();
+        BARRIER(0);
         w.vt = vt + j0 * D; /* this block's weighted sum: during the next one's exponentials */
         w.pt = pt[b & 1];
         w.chunks = rows / 32;
@@ -367,3 +356,4 @@ int paged_prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, co
     return 0;
 }
 """
+)
