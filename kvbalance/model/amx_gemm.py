@@ -56,14 +56,8 @@ typedef uint16_t bf16;
 int amx_available(void) { return amx_cpu_and_permission(1); }
 
 static void configure(void) { /* all eight tiles 16 rows x 64 bytes */
-    tilecfg_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    __asm__ volatile("ldtilecfg %0" : : "m"(c)); /* not _tile_loadconfig: see native_amx.py */
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_load_config(colsb);
 }
 
 /* 16 x 16 transpose of 32-bit lanes in registers: r[i][j] -> r[j][i] */

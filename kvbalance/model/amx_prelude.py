@@ -1,7 +1,7 @@
 """C declarations shared by the AMX kernels (decode attention in native_amx.py, prefill attention in
 native_prefill_src.py, the small-M GEMM in amx_gemm.py): tile loads and stores as asm the compiler keeps
-in order, the barrier that orders C memory accesses around them, the tile-configuration layout, and the
-CPU + OS check.
+in order, the barrier that orders C memory accesses around them, the tile-configuration layout and its
+loading, and the CPU + OS check.
 
 The asm claims no memory: a ``"memory"`` clobber on every tile load would make the compiler spill the
 vector accumulators the kernels keep live around it. Instead a kernel puts ``BARRIER(buffer)`` where a
@@ -11,6 +11,7 @@ intrinsics hide their memory effects from the compiler, which is why the kernels
 
 AMX_PRELUDE = r"""
 #include <immintrin.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 /* tile numbers are literals (the asm names the register) */
@@ -26,6 +27,19 @@ typedef struct {
     uint16_t colsb[16];
     uint8_t rows[16];
 } tilecfg_t;
+
+/* palette 1, all eight tiles 16 rows; tile t colsb[t] bytes a row. Not _tile_loadconfig: GCC 12's macro
+   tells the compiler it reads 8 bytes, so it drops the rest of the configuration */
+static void amx_load_config(const uint16_t colsb[8]) {
+    tilecfg_t c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = colsb[t];
+    }
+    __asm__ volatile("ldtilecfg %0" : : "m"(c));
+}
 
 /* AMX-BF16 and AVX-512F on this CPU (and AVX512-BF16 where need_avx512bf16), and the kernel's
    permission for this process to use tile data (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA) */

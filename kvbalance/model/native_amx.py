@@ -47,15 +47,9 @@ AMX_SOURCE = (
 int amx_available(void) { return amx_cpu_and_permission(0); }
 
 static void amx_configure(void) {
-    tilecfg_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = (t >= NH && t < TC0) ? 64 : 4 * GROUP; /* A tiles: 16 rows x 32 bf16 */
-    }
-    /* not _tile_loadconfig: GCC 12's macro tells the compiler it reads 8 bytes, so it drops the rest */
-    __asm__ volatile("ldtilecfg %0" : : "m"(c));
+    uint16_t colsb[8];
+    for (int t = 0; t < 8; t++) colsb[t] = (t >= NH && t < TC0) ? 64 : 4 * GROUP; /* A: 16 rows x 32 bf16 */
+    amx_load_config(colsb);
 }
 
 /* raw scores of 16 keys (rows k0[0..15]) and of rows k1 into s0, s1 ([16][GROUP] floats each); each

@@ -31,14 +31,8 @@ int amx_available(void) { return amx_cpu_and_permission(0); }
 /* every tile 16 rows x 64 bytes. Scores: 0, 1 Q^T (B), 2 S^T (C), 3 K rows (A); weighted sums: 0, 1 P^T
    hi and lo (B), 2, 3 V^T (A); 4 .. 7 the O^T accumulators (C) throughout */
 static void amx_configure(void) {
-    tilecfg_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    __asm__ volatile("ldtilecfg %0" : : "m"(c));
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_load_config(colsb);
 }
 
 /* 2^x for finite x (very negative x -> 0) */
