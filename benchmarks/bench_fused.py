@@ -16,6 +16,7 @@ import statistics
 import time
 
 import torch
+from decoding import decoding_engine
 
 from kvbalance.llm import LLMEngine
 from kvbalance.model import fused
@@ -43,14 +44,7 @@ def prefill(tokens: int, reps: int, lib) -> dict[bool, list[float]]:
 
 
 def decode(batch: int, context: int, reps: int, lib) -> dict[bool, list[float]]:
-    eng = LLMEngine("smollm2-135m", num_threads=1)
-    rng, ms = random.Random(0), {True: [], False: []}
-    for _ in range(batch):
-        prompt = [rng.randrange(1000, 40000) for _ in range(context)]
-        eng.add_request(prompt, SamplingParams(max_tokens=2 * reps + 16, ignore_eos=True))
-    sched = eng.instance.scheduler
-    while sched.waiting or any(not r.output_token_ids for r in sched.running):
-        eng.step()
+    eng, ms = decoding_engine(batch, context, max_tokens=2 * reps + 16), {True: [], False: []}
     for i in range(2 * reps + 2):
         t = _timed_step(eng, i % 2 == 0, lib)
         if i >= 2:

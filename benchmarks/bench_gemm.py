@@ -20,7 +20,6 @@ value, or ``--amx-rows``): CPU ms per step and of it the layers' linears and the
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
@@ -85,21 +84,16 @@ def bench_shapes(shapes: tuple[tuple[int, int], ...], layers: int, rows: tuple[i
 
 
 def bench_engine(batch: int, context: int, steps: int, amx_rows: int | None) -> None:
-    from kvbalance.llm import LLMEngine
-    from kvbalance.model import llama, packed
-    from kvbalance.request import SamplingParams
+    from decoding import decoding_engine
 
-    eng = LLMEngine("smollm2-135m", num_threads=1)
+    from kvbalance.model import llama, packed
+
+    if not amx_gemm.available():
+        raise SystemExit("engine: needs the AMX kernel")
+    eng = decoding_engine(batch, context, max_tokens=2 * steps + 40)
     model = eng.executor.model
-    if not amx_gemm.available() or model.embed.weight.dtype != torch.bfloat16:
-        raise SystemExit("engine: needs the AMX kernel and a bf16 model")
-    rng = random.Random(0)
-    for _ in range(batch):
-        prompt = [rng.randrange(1000, 40000) for _ in range(context)]
-        eng.add_request(prompt, SamplingParams(max_tokens=2 * steps + 40, ignore_eos=True))
-    sched = eng.instance.scheduler
-    while sched.waiting or any(not r.output_token_ids for r in sched.running):
-        eng.step()
+    if model.embed.weight.dtype != torch.bfloat16:
+        raise SystemExit("engine: needs a bf16 model")
     spent = {"linear": 0.0, "logits": 0.0}
 
     def timed(key: str, f):
