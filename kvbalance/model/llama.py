@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbalance.model import fused, native, native_prefill
+from kvbalance.model import decode_step, fused, native, native_prefill
 from kvbalance.model.llama_config import LLAMA_LIKE_ARCHS as LLAMA_LIKE_ARCHS  # re-exported
 from kvbalance.model.llama_config import LlamaConfig, rope_inv_freq
 from kvbalance.model.packed import _can_pack, _pack, _packed_linear, _version, linear
@@ -256,6 +256,9 @@ class LlamaModel(nn.Module):
         bf16 on the CPU): ``h`` is the residual stream, updated in place, ``x`` the normed input of the
         next block (one buffer, reused: each block has read it before the next norm writes it). The
         adds round as torch's bf16 adds, so ``h`` is bit-identical to :class:`DecoderLayer`'s."""
+        plan = decode_step.decode_plan(self, h, meta)
+        if plan is not None:  # an all-decode step: the same kernels with the per-call glue taken out
+            return decode_step.run_layers(self, h, plan)
         layers = self.layers
         x = fused.rms_norm(h, layers[0].input_norm.weight, layers[0].input_norm.eps)
         for i, layer in enumerate(layers):
