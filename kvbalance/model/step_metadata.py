@@ -4,6 +4,7 @@ context length; one group per prefill chunk), block indices, masks. Built once p
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,7 @@ class AttnGroup:
 
     token_index: torch.Tensor | None  # [n] rows of the step's T tokens (None: all T rows, in order)
     block_index: torch.Tensor  # [B * ctx_blocks] physical blocks to gather, row-major per sequence
-    attn_bias: torch.Tensor | None  # [B, 1, G * max_q, ctx_blocks * block_size] additive mask (0 / -inf)
+    bias: torch.Tensor | None  # the additive mask once built (prefill groups: at construction); see attn_bias
     query_index: torch.Tensor | None  # [B * max_q] group token for each padded query (None: decode group)
     output_index: torch.Tensor | None  # [n] padded query row of each group token (None: decode group)
     batch_size: int
@@ -38,6 +39,20 @@ class AttnGroup:
     context_lens: torch.Tensor | None = None  # [B] int64 keys per sequence (decode groups: native kernel)
     q_start: int = 0  # prefill groups (one sequence each): position of the first new token
     context: int = 0  # prefill groups: keys the last new token attends (q_start + new tokens)
+    # decode groups: the mask's inputs (keys per sequence [B], padded keys, dtype, device), built on first
+    # read of attn_bias: the native decode kernel reads context_lens and never needs it
+    mask_inputs: tuple[np.ndarray, int, torch.dtype, torch.device | str] | None = None
+
+    @property
+    def attn_bias(self) -> torch.Tensor | None:
+        """[B, 1, G * max_q, ctx_blocks * block_size] additive mask (0 / -inf), None where nothing is masked."""
+        if self.mask_inputs is not None:
+            keys, padded, dtype, device = self.mask_inputs
+            mask = (np.arange(padded)[None, :] < keys[:, None])[:, None, None, :]
+            bias = np.where(mask, np.float32(0.0), np.float32(-np.inf))
+            self.bias = None if mask.all() else torch.from_numpy(bias).to(device).to(dtype)
+            self.mask_inputs = None
+        return self.bias
 
 
 @dataclass
@@ -74,6 +89,29 @@ def _split_decodes(
     return [np.sort(p) for p in best]
 
 
+def _block_table(
+    block_tables: list[list[int]], nblocks: np.ndarray, ctx: np.ndarray, block_size: int
+) -> np.ndarray:
+    """``[B, max blocks]`` int64: each sequence's first ``nblocks[b]`` block ids, zero-padded (one
+    numpy scatter of the concatenated ids instead of a row assignment per sequence)."""
+    have = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    short = np.flatnonzero(have < nblocks)
+    if len(short):
+        i = int(short[0])
+        raise ValueError(
+            f"block_ids: sequence {i} has {int(have[i])} blocks of {block_size}, needs {int(ctx[i])} tokens"
+        )
+    used = nblocks.tolist()
+    flat = np.fromiter(
+        itertools.chain.from_iterable(ids[:n] for ids, n in zip(block_tables, used)),
+        dtype=np.int64,
+        count=int(nblocks.sum()),
+    )
+    table = np.zeros((len(used), int(nblocks.max())), dtype=np.int64)
+    table[np.arange(table.shape[1])[None, :] < nblocks[:, None]] = flat  # row-major: the concatenation order
+    return table
+
+
 def build_step_metadata(
     seq_starts: list[int],
     seq_lens: list[int],
@@ -100,13 +138,7 @@ def build_step_metadata(
     ctx = starts + lens
     num_tokens = int(lens.sum())
     nblocks = (ctx + block_size - 1) // block_size
-    table = np.zeros((b, int(nblocks.max())), dtype=np.int64)
-    for i, ids in enumerate(block_tables):
-        if len(ids) < nblocks[i]:
-            raise ValueError(
-                f"block_ids: sequence {i} has {len(ids)} blocks of {block_size}, needs {int(ctx[i])} tokens"
-            )
-        table[i, : nblocks[i]] = ids[: nblocks[i]]
+    table = _block_table(block_tables, nblocks, ctx, block_size)
     cu = np.zeros(b + 1, dtype=np.int64)
     np.cumsum(lens, out=cu[1:])
     seq_of_token = np.repeat(np.arange(b), lens)
@@ -121,14 +153,12 @@ def build_step_metadata(
     for rows in row_sets:
         g_ctx = ctx[rows]
         nb = int(nblocks[rows].max())
-        key_valid = np.arange(nb * block_size)[None, :] < g_ctx[:, None]  # [Bg, Lp]
-        mask = key_valid[:, None, None, :]
-        bias = None if mask.all() else t(np.where(mask, np.float32(0.0), np.float32(-np.inf))).to(dtype)
         groups.append(
             AttnGroup(
                 token_index=None if only_group else t(cu[rows]),
                 block_index=t(table[rows, :nb].reshape(-1)),
-                attn_bias=bias,
+                bias=None,
+                mask_inputs=(g_ctx, nb * block_size, dtype, device),
                 query_index=None,
                 output_index=None,
                 batch_size=len(rows),
@@ -149,7 +179,7 @@ def build_step_metadata(
             AttnGroup(
                 token_index=None if only_group else t(np.arange(cu[r], cu[r + 1])),
                 block_index=t(table[r, : int(nblocks[r])]),
-                attn_bias=bias,
+                bias=bias,
                 query_index=None,
                 output_index=None,
                 batch_size=1,
