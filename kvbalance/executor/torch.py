@@ -10,6 +10,7 @@ head_dim]``, for KV transfer and migration.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 
@@ -81,10 +82,31 @@ def resolve_dtype(dtype: str, config: LlamaConfig, device: torch.device | str) -
     return wanted
 
 
-def _plain_greedy(params: list[SampleRequest], device: torch.device) -> bool:
-    """Whether every row is plain greedy (no logprobs, bias or penalties) on the CPU: the fast path."""
-    return device.type == "cpu" and all(
-        p.temperature < SAMPLING_EPS and p.logprobs is None and not p.adjusts_logits for p in params
+def _greedy_settings(sp) -> bool:
+    """Whether a request's ``SamplingParams`` are plain greedy (no logprobs, bias or penalties): on the
+    CPU a step whose rows all are takes the fast path (:func:`greedy_argmax` on the LM head's dtype)."""
+    return (
+        sp.temperature < SAMPLING_EPS
+        and sp.logprobs is None
+        and not sp.logit_bias
+        and sp.presence_penalty == 0.0
+        and sp.frequency_penalty == 0.0
+    )
+
+
+def _sample_request(req, sp, end: int) -> SampleRequest:
+    penalised = sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+    return SampleRequest(
+        sp.temperature,
+        sp.top_k,
+        sp.top_p,
+        sp.seed,
+        sp.logprobs,
+        position=end,
+        logit_bias=sp.logit_bias,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        output_token_ids=req.output_token_ids if penalised else (),
     )
 
 
@@ -226,7 +248,7 @@ class TorchExecutor:
             self._sync()
             t1 = time.perf_counter()
             hidden = self.model(input_ids, meta)
-            logits, greedy = None, _plain_greedy(sample_params, self.device)
+            logits, greedy = None, sample_params is None
             if sample_ids:  # the LM head runs only for the rows that sample
                 rows = hidden.index_select(0, meta.logits_indices)
                 logits = self.model.compute_logits(rows, float32=not greedy)
@@ -249,9 +271,11 @@ class TorchExecutor:
         return StepResult(t3 - t0, sampled, logprobs, finished_loads, finished_saves, breakdown)
 
     def _prepare(self, seqs: list[ScheduledSeq]):
-        """Flatten the step: token ids, per-step metadata, and who samples with which settings."""
+        """Flatten the step: token ids, per-step metadata, who samples, and with which settings (None
+        where every sampling row is plain greedy on the CPU: the fast path reads no settings)."""
         token_ids: list[int] = []
-        starts, lens, tables, sample_rows, sample_params, sample_ids = [], [], [], [], [], []
+        starts, lens, tables, sample_rows, sample_ids, sampling = [], [], [], [], [], []
+        greedy = self.device.type == "cpu"
         for b, s in enumerate(seqs):
             req = s.request
             end = s.start + s.num_new_tokens
@@ -267,23 +291,10 @@ class TorchExecutor:
                 sp = req.sampling
                 sample_rows.append(b)
                 sample_ids.append(req.request_id)
-                penalised = sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
-                sample_params.append(
-                    SampleRequest(
-                        sp.temperature,
-                        sp.top_k,
-                        sp.top_p,
-                        sp.seed,
-                        sp.logprobs,
-                        position=end,
-                        logit_bias=sp.logit_bias,
-                        presence_penalty=sp.presence_penalty,
-                        frequency_penalty=sp.frequency_penalty,
-                        output_token_ids=req.output_token_ids if penalised else (),
-                    )
-                )
-        top = max((max(t) for t in tables if len(t)), default=0)
-        if top >= self.num_blocks or min((min(t) for t in tables if len(t)), default=0) < 0:
+                sampling.append((req, sp, end))
+                greedy = greedy and _greedy_settings(sp)
+        ids = list(itertools.chain.from_iterable(tables))
+        if ids and (max(ids) >= self.num_blocks or min(ids) < 0):
             raise ValueError(f"block_ids: a block table names a block outside [0, {self.num_blocks})")
         attn = self.model.layers[0].attn
         meta = build_step_metadata(
@@ -297,7 +308,7 @@ class TorchExecutor:
             attention_dtype(self.dtype, self.kv_dtype),
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        return input_ids, meta, sample_ids, sample_params
+        return input_ids, meta, sample_ids, None if greedy else [_sample_request(*x) for x in sampling]
 
     def _run_transfers(self, transfers: Sequence[KVTransfer]) -> list[str]:
         for t in transfers:
