@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from kvbalance.engine import InstanceConfig, build_instance
 from kvbalance.llm.text import Detokenizer, emit_delta, find_stop
@@ -23,17 +22,65 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
 
 
-@dataclass
 class RequestOutput:
-    """One request's progress after a step: the new tokens and text since the previous output."""
+    """One request's progress after a step: the new tokens and text since the previous output.
 
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    request: Request
-    text: str = ""  # all output text so far (stop strings cut off)
+    Without stop strings the text is detokenised when first read (``text_delta``, ``text``): a caller
+    that reads no text (token ids only, or only a finished request's text) pays for no decoding. A
+    read runs the request's deferred detokeniser steps in order, so every output's text is what the
+    step would have computed, whichever outputs are read and in whatever order.
+    """
+
+    __slots__ = (
+        "request_id",
+        "new_token_ids",
+        "finished",
+        "finish_reason",
+        "request",
+        "_delta",
+        "_text",
+        "_lazy",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        new_token_ids: list[int],
+        text_delta: str,
+        finished: bool,
+        finish_reason: str | None,
+        request: Request,
+        text: str = "",
+        lazy: tuple | None = None,  # (tokenizer, detokenizer, tokens before, tokens after): text on read
+    ) -> None:
+        self.request_id, self.new_token_ids, self.request = request_id, new_token_ids, request
+        self.finished, self.finish_reason = finished, finish_reason
+        self._delta, self._text, self._lazy = text_delta, text, lazy
+
+    def _resolve(self) -> None:
+        tokenizer, detok, before, after = self._lazy
+        ids = self.request.output_token_ids
+        start, end = detok.upto(tokenizer, ids, before), detok.upto(tokenizer, ids, after)
+        self._delta, self._text, self._lazy = detok.text[start:end], detok.text[:end], None
+
+    @property
+    def text_delta(self) -> str:
+        if self._lazy is not None:
+            self._resolve()
+        return self._delta
+
+    @property
+    def text(self) -> str:
+        """All output text so far (stop strings cut off)."""
+        if self._lazy is not None:
+            self._resolve()
+        return self._text
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput({self.request_id!r}, {self.new_token_ids}, {self.text_delta!r}, "
+            f"finished={self.finished}, finish_reason={self.finish_reason!r})"
+        )
 
 
 class LLMEngine:
@@ -119,6 +166,7 @@ class LLMEngine:
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
+        self._covered: dict[str, int] = {}  # output tokens each request's outputs have covered so far
         self._ids = itertools.count()
         self._t0 = time.perf_counter()
         self.step_log: list[tuple[int, int, float, float]] = []  # (tokens, seqs, duration_s, forward_s)
@@ -173,6 +221,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         self._detok.pop(request_id, None)
+        self._covered.pop(request_id, None)
         if req is not None and not req.is_finished:
             self.instance.abort(req, self.now())
 
@@ -197,15 +246,19 @@ class LLMEngine:
             if req.request_id not in self.requests:
                 continue
             token = req.output_token_ids[-1] if req.output_token_ids else None
-            delta = ""
-            text = ""
+            delta, text, lazy = "", "", None
             detok = self._detok.get(req.request_id)
             if self.tokenizer is not None and token is not None and detok is not None:
-                added = detok.step(self.tokenizer, req.output_token_ids)
-                if req.sampling.stop and added and not req.is_finished:
-                    self._apply_stop_strings(req, detok, len(added))
-                delta = self._emit(req, detok)
-                text = detok.text
+                if req.sampling.stop:  # stop strings are searched at every step: decode now
+                    added = detok.step(self.tokenizer, req.output_token_ids)
+                    if added and not req.is_finished:
+                        self._apply_stop_strings(req, detok, len(added))
+                    delta, text = self._emit(req, detok), detok.text
+                else:  # the text when someone reads it
+                    n = len(req.output_token_ids)
+                    detok.defer(n)
+                    lazy = (self.tokenizer, detok, self._covered.get(req.request_id, 0), n)
+                    self._covered[req.request_id] = n
             done = req.is_finished or req.request_id in finished
             outputs.append(
                 RequestOutput(
@@ -216,11 +269,13 @@ class LLMEngine:
                     req.finish_reason,
                     req,
                     text,
+                    lazy,
                 )
             )
             if done:
                 self.requests.pop(req.request_id, None)
                 self._detok.pop(req.request_id, None)
+                self._covered.pop(req.request_id, None)
         return outputs
 
     @staticmethod
@@ -234,7 +289,9 @@ class LLMEngine:
             self.instance.finish_request(req, "stop", self.now())
 
     def text_of(self, request_id: str) -> str:
-        d = self._detok.get(request_id)
+        d, req = self._detok.get(request_id), self.requests.get(request_id)
+        if d is not None and req is not None and self.tokenizer is not None:
+            d.upto(self.tokenizer, req.output_token_ids, self._covered.get(request_id, 0))
         return d.text if d else ""
 
     def run_until_done(self, progress=None) -> None:

@@ -7,27 +7,48 @@ stop string; :func:`find_stop` finds where a stop string ends the text.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 
 class Detokenizer:
-    """Incremental detokenisation with a small window (holds back incomplete UTF-8 sequences)."""
+    """Incremental detokenisation with a small window (holds back incomplete UTF-8 sequences).
 
-    __slots__ = ("prefix_offset", "read_offset", "text", "sent")
+    Steps can be deferred (:meth:`defer`) and run later, in order, when someone reads the text
+    (:meth:`upto`): the same :meth:`step` calls on the same token prefixes, so the same text.
+    """
+
+    __slots__ = ("prefix_offset", "read_offset", "text", "sent", "pending", "ends")
 
     def __init__(self) -> None:
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
         self.sent = 0  # characters of ``text`` already emitted as deltas
+        self.pending: deque[int] = deque()  # deferred steps: token counts, ascending
+        self.ends: dict[int, int] = {0: 0}  # len(text) after the step over the first k tokens
 
-    def step(self, tokenizer, ids: list[int]) -> str:
+    def defer(self, num_tokens: int) -> None:
+        """Note a step over the first ``num_tokens`` tokens, to run when its text is read."""
+        self.pending.append(num_tokens)
+
+    def upto(self, tokenizer, ids: Sequence[int], num_tokens: int) -> int:
+        """Run the deferred steps up to ``num_tokens`` tokens; ``len(text)`` after that one."""
+        while self.pending and self.pending[0] <= num_tokens:
+            k = self.pending.popleft()
+            self.step(tokenizer, ids, k)
+            self.ends[k] = len(self.text)
+        return self.ends[num_tokens]
+
+    def step(self, tokenizer, ids: Sequence[int], end: int | None = None) -> str:
+        """Text added by the tokens ``ids[:end]`` (all of them by default) beyond those seen so far."""
+        end = len(ids) if end is None else end
         prefix = tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=True)
+        full = tokenizer.decode(ids[self.prefix_offset : end], skip_special_tokens=True)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset
-            self.read_offset = len(ids)
+            self.read_offset = end
             self.text += delta
             return delta
         return ""
