@@ -250,7 +250,7 @@ class TorchExecutor:
             hidden = self.model(input_ids, meta)
             logits, greedy = None, sample_params is None
             if sample_ids:  # the LM head runs only for the rows that sample
-                rows = hidden.index_select(0, meta.logits_indices)
+                rows = hidden if meta.samples_every_row else hidden.index_select(0, meta.logits_indices)
                 logits = self.model.compute_logits(rows, float32=not greedy)
             self._sync()
             t2 = time.perf_counter()

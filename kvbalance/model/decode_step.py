@@ -83,6 +83,11 @@ def decode_plan(model, h: torch.Tensor, meta: StepMetadata) -> DecodePlan | None
     kv_lib = native.native_library(1, hd, torch.bfloat16)
     if kv_lib is None:
         return None
+    cos, sin = meta.cos, meta.sin
+    if cos.shape != (h.shape[0], hd // 2) or cos.stride(1) != 1 or sin.shape != cos.shape:
+        return None
+    if sin.dtype != torch.bfloat16 or sin.stride() != cos.stride():
+        return None
     table, ctx, slots = g.block_index, g.context_lens, meta.slot_mapping
     for x in (table, ctx, slots):
         if x.dtype != torch.int64 or not x.is_contiguous():
@@ -96,9 +101,9 @@ def decode_plan(model, h: torch.Tensor, meta: StepMetadata) -> DecodePlan | None
         kv_lib=kv_lib,
         threads=torch.get_num_threads(),
         amx=int(native.has_amx(grp, hd)),
-        cos_ptr=meta.cos.data_ptr(),
-        sin_ptr=meta.sin.data_ptr(),
-        cos_stride=meta.cos.stride(0),
+        cos_ptr=cos.data_ptr(),
+        sin_ptr=sin.data_ptr(),
+        cos_stride=cos.stride(0),
         slots_ptr=slots.data_ptr(),
         table_ptr=table.data_ptr(),
         ctx_ptr=ctx.data_ptr(),

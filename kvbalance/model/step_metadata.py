@@ -68,6 +68,7 @@ class StepMetadata:
     groups: list[AttnGroup]
     query_start_loc: np.ndarray  # [B + 1] cumulative new-token counts (host side, for inspection)
     context_lens: np.ndarray  # [B] tokens whose KV exists after the step
+    samples_every_row: bool = False  # logits_indices is 0..T-1 (an all-decode step where every row samples)
     cos: torch.Tensor | None = None  # [T, head_dim / 2], filled by the model (in its dtype)
     sin: torch.Tensor | None = None
 
@@ -197,4 +198,6 @@ def build_step_metadata(
         groups=groups,
         query_start_loc=cu,
         context_lens=ctx,
+        samples_every_row=len(logits_rows) == num_tokens
+        and bool((logits_rows == np.arange(num_tokens)).all()),
     )
