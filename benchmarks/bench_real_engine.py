@@ -22,7 +22,8 @@ ShareGPT lengths (inputs capped at 1,024 tokens, outputs at 256), all submitted 
 Each system runs with each thread budget in ``--threads`` (vllm: ``VLLM_CPU_OMP_THREADS_BIND`` to that many
 cores; kvbalance and transformers: ``torch.set_num_threads``) and, unless ``--no-pin``, with every process of
 the system pinned to that many cores (``sched_setaffinity`` to cores 0..N-1, inherited by vLLM's processes):
-the same core budget for both engines. Unpinned, vLLM's front-end process takes a second core when one is
+the same core budget for both engines, and each compute thread on a core of its own (vllm through its bind
+variable, kvbalance through ``cpu_cores``). Unpinned, vLLM's front-end process takes a second core when one is
 idle (its CPU seconds per token doubled on a quiet machine: 1.9 cores busy for one compute thread), which
 makes a CPU-time comparison flatter kvbalance and a wall-clock one flatter vLLM. ``--repeats`` rounds
 alternate the systems and reverse their order every other round (A B C D D C B A ...), since the machine is
@@ -184,6 +185,7 @@ def run_kvbalance(prompts, outputs, threads: int, engine_kwargs: dict) -> dict:
             "block_size": eng.instance.block_size if hasattr(eng.instance, "block_size") else None,
             "dtype": eng.dtype,
             "kv_cache_dtype": str(eng.executor.kv_dtype).removeprefix("torch."),
+            "cpu_cores": kw.get("cpu_cores"),
         },
         "wall_s": wall,
         "cpu_s": cpu,
@@ -299,14 +301,25 @@ def _run_system(name: str, args, prompts, outputs, threads: int, best: tuple[int
     if name == "vllm-kvb":
         kvb = {**KVB_SETTINGS, "max_model_len": 2048}
         return run_vllm(args.vllm_python, prompts, outputs, threads, kvb, None, tmp)
-    if name == "kvb-default":
-        return run_kvbalance(prompts, outputs, threads, {})
-    if name == "kvb-fp32":
-        return run_kvbalance(prompts, outputs, threads, {"dtype": "float32"})
-    if name == "kvb-best":
-        return run_kvbalance(
-            prompts, outputs, threads, {"max_num_batched_tokens": best[0], "max_num_seqs": best[1]}
-        )
+    kvb_settings = {
+        "kvb-default": {},
+        "kvb-fp32": {"dtype": "float32"},
+        "kvb-best": {"max_num_batched_tokens": best[0], "max_num_seqs": best[1]},
+    }
+    if name in kvb_settings:
+        if args.no_pin:
+            return run_kvbalance(prompts, outputs, threads, kvb_settings[name])
+        # pinned as vllm is (VLLM_CPU_OMP_THREADS_BIND): each compute thread on a core of its own
+        pinned = sorted(os.sched_getaffinity(0))
+        try:
+            cores = {"cpu_cores": ",".join(map(str, pinned))}
+            return run_kvbalance(prompts, outputs, threads, {**kvb_settings[name], **cores})
+        finally:  # the engine pinned this process's threads one core each: back to the set for the next system
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    os.sched_setaffinity(int(tid), pinned)
+                except OSError:
+                    pass
     return run_transformers(prompts, outputs, threads, 16, args.hf_batches)
 
 
