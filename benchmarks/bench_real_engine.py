@@ -192,6 +192,11 @@ def run_kvbalance(prompts, outputs, threads: int, engine_kwargs: dict) -> dict:
         "output_tokens": out_tokens,
         "num_steps": len(log),
         "steps_with_prefill": len(mixed),
+        "step_seconds": {  # executor time of the steps that carry prompt tokens, and of the decode-only ones
+            "with_prefill": sum(x[2] for x in mixed),
+            "decode_only": sum(x[2] for x in log if x[0] == x[1]),
+        },
+        "mean_decode_batch": statistics.fmean([x[1] for x in log if x[0] == x[1]] or [0]),
         "time_split_s": {
             "model_forward": forward_s,
             "executor_host (metadata, sampling)": executor_s - forward_s,
@@ -489,7 +494,9 @@ def _summary(
             r = rs[0]
             split = ", ".join(f"{k.split(' ')[0]} {v:.1f}" for k, v in r["time_split_s"].items())
             print(f"  {name} time split (s, wall): {split}; {r['num_steps']} steps, "
-                  f"{r['steps_with_prefill']} with prefill")  # fmt: skip
+                  f"{r['steps_with_prefill']} with prefill ({r['step_seconds']['with_prefill']:.1f} s), "
+                  f"{r['num_steps'] - r['steps_with_prefill']} decode-only ({r['step_seconds']['decode_only']:.1f} s, "
+                  f"{r['mean_decode_batch']:.0f} sequences on average)")  # fmt: skip
     pairs = (("kvb-default", "vllm-default", "defaults"), ("kvb-fp32", "vllm-fp32", "float32"))
     for t in sorted({r[0]["threads"] for r in runs.values()}):
         for ours, theirs, label in pairs:
