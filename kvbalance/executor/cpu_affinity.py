@@ -18,8 +18,6 @@ import ctypes
 import os
 import threading
 
-from kvbalance.model import cbuild
-
 _BIND_SOURCE = r"""
 #define _GNU_SOURCE
 #include <omp.h>
@@ -87,6 +85,8 @@ def _threads() -> list[int]:
 
 
 def _bind_library() -> ctypes.CDLL | None:
+    from kvbalance.model import cbuild  # here: the package pulls in torch, which the light core lacks
+
     with _lock:
         if not _lib:
             lib = cbuild.load("cpu_bind", _BIND_SOURCE)
