@@ -84,8 +84,14 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
     }
 }
 
-/* x [M, K] (row stride ldx) as B tiles: xt[p][m] = (x[m][2p], x[m][2p + 1]) as one 32-bit word, p < K/2,
-   m < Mp (M padded to 16 with zero rows) */
+/* B tile (kb, j) of the packed activations: K step kb (pairs p = 16 kb .. 16 kb + 15), activation rows
+   m = 16 j .. 16 j + 15; each tile 16 x 16 words, contiguous (row stride 64 bytes) */
+static inline const uint32_t *x_tile(const uint32_t *xt, int64_t Mp, int64_t kb, int64_t j) {
+    return xt + (kb * (Mp / 16) + j) * 256;
+}
+
+/* x [M, K] (row stride ldx) as B tiles: word (p, m) = (x[m][2p], x[m][2p + 1]) at row p % 16, column m % 16
+   of tile (p / 16, m / 16), p < K/2, m < Mp (M padded to 16 with zero rows) */
 static void pack_x(const bf16 *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, uint32_t *xt) {
     for (int64_t m0 = 0; m0 < Mp; m0 += 16)
         for (int64_t p0 = 0; p0 < K / 2; p0 += 16) {
@@ -93,7 +99,8 @@ static void pack_x(const bf16 *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K,
             for (int i = 0; i < 16; i++)
                 r[i] = _mm512_maskz_loadu_epi32(m0 + i < M ? 0xFFFF : 0, x + (m0 + i) * ldx + 2 * p0);
             transpose16(r);
-            for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(xt + (p0 + j) * Mp + m0), r[j]);
+            uint32_t *tile = (uint32_t *)x_tile(xt, Mp, p0 / 16, m0 / 16);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(tile + 16 * j), r[j]);
         }
 }
 
@@ -160,9 +167,9 @@ static void finish(const gemm_t *g, pending_t *p) {
    epilogue of the previous chunk (pend) runs after EPILOGUE_AT K steps; this chunk's becomes pend. */
 static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *pf, int pf_step, float (*buf)[32],
                   pending_t *pend) {
-    const int64_t KB = g->K / 32, sw = 2 * g->K, sx = 4 * g->Mp;
+    const int64_t KB = g->K / 32, sw = 2 * g->K, xs = 16 * g->Mp; /* xs: words from a K step's B tiles to the next's */
     const bf16 *w0 = w_tile(g, n0), *w1 = w_tile(g, n0 + 16);
-    const uint32_t *x0 = g->xt + m0, *x1 = g->xt + m0 + 16;
+    const uint32_t *x0 = x_tile(g->xt, g->Mp, 0, m0 / 16), *x1 = x0 + 256;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -170,13 +177,13 @@ static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *p
     for (int64_t kb = 0; kb < KB; kb++) {
         if (pf)
             for (int l = 0; l < pf_step; l += 64) _mm_prefetch(pf + kb * pf_step + l, _MM_HINT_T1);
-        TILE_LOAD(6, x0 + kb * 16 * g->Mp, sx);
+        TILE_LOAD(6, x0 + kb * xs, 64);
         TILE_LOAD(4, w0 + 32 * kb, sw);
         TILE_LOAD(5, w1 + 32 * kb, sw);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 5, 6);
         if (nt > 1) {
-            TILE_LOAD(7, x1 + kb * 16 * g->Mp, sx);
+            TILE_LOAD(7, x1 + kb * xs, 64);
             _tile_dpbf16ps(2, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
         }
