@@ -49,6 +49,10 @@ _SOURCE = (
 
 typedef uint16_t bf16;
 #define PF_BLOCKS 1 /* 32-row blocks of W prefetched ahead (into L2); 2 measured no better */
+#define X_L1_ROWS 32 /* above: activation tile loads hint T1 (tileloaddt1), keeping L1 for the W block */
+#define TILE_LOAD_T1_(t, base, stride) \
+    __asm__ volatile("tileloaddt1 (%0,%1,1), %%tmm" #t : : "r"(base), "r"((long)(stride)))
+#define TILE_LOAD_T1(t, base, stride) TILE_LOAD_T1_(t, base, stride)
 
 """
     + AMX_PRELUDE
@@ -109,6 +113,7 @@ typedef struct {
     const uint32_t *xt;
     bf16 *y;
     int64_t ldy, M, Mp, N, K;
+    int x_stream; /* more activations than stay in L1 beside a W block: their tile loads hint T1 */
 } gemm_t;
 
 static inline const bf16 *w_tile(const gemm_t *g, int64_t n0) {
@@ -139,27 +144,30 @@ static void epilogue16(const gemm_t *g, const float *buf, int64_t n0, int64_t m0
                                  (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j])));
 }
 
-/* A chunk's C^T tiles waiting in buf for their epilogue (run while the next chunk's products are in
-   flight: the vector work then overlaps the tile unit's) */
+/* A chunk's C^T tiles waiting in buf for their epilogue, run in parts while the next chunk's products
+   are in flight (the vector work then overlaps the tile unit's); done: 16 x 16 blocks finished */
 typedef struct {
     float (*buf)[32];
     int64_t n0, m0;
-    int nt;
+    int nt, done;
 } pending_t;
 
-static void finish(const gemm_t *g, pending_t *p) {
+/* the next of the pending chunk's four 16 x 16 blocks (n tile done % 2, m tile done / 2) */
+static void finish_one(const gemm_t *g, pending_t *p) {
     if (!p->buf) return;
     BARRIER(p->buf);
-    epilogue16(g, &p->buf[0][0], p->n0, p->m0);
-    epilogue16(g, &p->buf[16][0], p->n0 + 16, p->m0);
-    if (p->nt > 1) {
-        epilogue16(g, &p->buf[0][16], p->n0, p->m0 + 16);
-        epilogue16(g, &p->buf[16][16], p->n0 + 16, p->m0 + 16);
-    }
-    p->buf = NULL;
+    const int i = p->done++, ni = i & 1, mi = i >> 1;
+    if (mi < p->nt) epilogue16(g, &p->buf[16 * ni][16 * mi], p->n0 + 16 * ni, p->m0 + 16 * mi);
+    if (p->done == 4) p->buf = NULL;
 }
 
-#define EPILOGUE_AT 1 /* the K step of the next chunk after which the pending epilogue runs */
+static void finish(const gemm_t *g, pending_t *p) {
+    while (p->buf) finish_one(g, p);
+}
+
+/* the K steps of the next chunk after which the pending epilogue's blocks run, two after each (all at
+   once queued more vector work than the tile products in flight cover) */
+#define EPILOGUE_AT 1
 
 /* W rows n0 .. n0 + 31 x the activations' columns of B tiles m0 .. m0 + 16 * nt - 1 (nt = 1 or 2):
    C^T in tmm0-3 (n tile i, m tile j: tmm 2 j + i), W tiles in tmm4, 5, x tiles in tmm6, 7; pf_step
@@ -177,17 +185,27 @@ static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *p
     for (int64_t kb = 0; kb < KB; kb++) {
         if (pf)
             for (int l = 0; l < pf_step; l += 64) _mm_prefetch(pf + kb * pf_step + l, _MM_HINT_T1);
-        TILE_LOAD(6, x0 + kb * xs, 64);
+        if (g->x_stream)
+            TILE_LOAD_T1(6, x0 + kb * xs, 64);
+        else
+            TILE_LOAD(6, x0 + kb * xs, 64);
         TILE_LOAD(4, w0 + 32 * kb, sw);
         TILE_LOAD(5, w1 + 32 * kb, sw);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 5, 6);
         if (nt > 1) {
-            TILE_LOAD(7, x1 + kb * xs, 64);
+            if (g->x_stream)
+                TILE_LOAD_T1(7, x1 + kb * xs, 64);
+            else
+                TILE_LOAD(7, x1 + kb * xs, 64);
             _tile_dpbf16ps(2, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
         }
-        if (kb == EPILOGUE_AT || kb == KB - 1) finish(g, pend);
+        if (kb == EPILOGUE_AT || kb == EPILOGUE_AT + 1) {
+            finish_one(g, pend);
+            finish_one(g, pend);
+        }
+        if (kb == KB - 1) finish(g, pend);
     }
     TILE_STORE(0, &buf[0][0], 128);
     TILE_STORE(1, &buf[16][0], 128);
@@ -196,7 +214,7 @@ static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *p
         TILE_STORE(3, &buf[16][16], 128);
     }
     BARRIER(buf);
-    *pend = (pending_t){buf, n0, m0, nt};
+    *pend = (pending_t){buf, n0, m0, nt, 0};
 }
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ w[N, K]^T (+ bias), w row-major and
@@ -225,13 +243,13 @@ int amx_linear(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias, bf16
     }
     BARRIER(xt);
     BARRIER(wtail);
-    const gemm_t g = {w, bias, wtail, xt, y, ldy, M, Mp, N, K};
+    const gemm_t g = {w, bias, wtail, xt, y, ldy, M, Mp, N, K, Mp > X_L1_ROWS};
     const int64_t chunks = (Mp / 16 + 1) / 2, step = (2048 / chunks + 63) & ~63;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         configure(); /* per thread, at every call: others configure tiles their own way */
         float buf[2][32][32] __attribute__((aligned(64))); /* this chunk's tiles, the previous one's */
-        pending_t pend = {NULL, 0, 0, 0};
+        pending_t pend = {NULL, 0, 0, 0, 0};
         int flip = 0;
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t q0 = blocks * id / nt, q1 = blocks * (id + 1) / nt;
