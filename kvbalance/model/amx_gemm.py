@@ -1,25 +1,25 @@
 """An AMX bf16 GEMM for the decode step's linears: ``y = x @ W^T (+ bias)``, bf16 in, float32 tile
 accumulation, the output rounded once to bf16 (nearest even). :mod:`kvbalance.model.packed` calls it
-for calls of few rows.
+for calls of few rows (a decode step's batch).
 
-A decode step's linears are memory-bound (each weight read once per step for a few dozen rows), and
-oneDNN's AMX matmul on one thread streams SmolLM2's weights at only ~8 GB/s at 32 rows. This kernel
-streams the **plain** row-major weight (no packed copy) at 10-13 GB/s up to 32 rows:
+These shapes are memory-bound (each weight read once per step for a few dozen rows); oneDNN's AMX
+matmul on one thread streams SmolLM2's weights at ~7-8 GB/s. This kernel streams the **plain**
+row-major weight (no packed copy) at 9-13 GB/s up to 32 rows and ~7.5-8.5 GB/s at 64:
 
 - **Transposed product** ``y^T = W x^T``: A tiles are 16 rows of W x 32 K, loaded in place with the
-  row stride; B tiles are the activations in VNNI pairs ``xt[p][m] = (x[m][2p], x[m][2p + 1])``,
-  packed at each call (16 x 16 transposes of 32-bit words; the activations are small, in L1/L2).
+  row stride; B tiles are the activations in VNNI pairs ``(x[m][2p], x[m][2p + 1])``, packed at each
+  call into contiguous 16 x 16-word tiles (one tile load reads 16 adjacent lines).
 - **Blocking**: C^T is 2 x 2 tiles of 16 x 16 float32 (32 weight rows x 32 activation rows, tmm0-3),
   two W tiles (tmm4, 5), two x tiles (tmm6, 7). W goes through in contiguous blocks of 32 rows, each
-  meeting the activations 32 rows at a time while it sits in L1/L2; the next block is prefetched into
-  L2 (spread over the block's chunks) on top of the hardware prefetcher.
+  meeting the activations 32 rows at a time while it sits in L1/L2 (above 32 rows the activations'
+  tile loads hint T1, so the block keeps L1 for its next pass); the next block is prefetched into L2.
 - **Epilogue**: C^T tiles go to a float32 buffer; bias (widened bf16) added in float32, each 16 x 16
-  block transposed in registers and rounded once (``vcvtneps2bf16``) - run while the next chunk's
-  tile products are in flight.
+  block transposed in registers and rounded once (``vcvtneps2bf16``), two blocks after each of the
+  next chunk's first K steps, while its tile products are in flight.
 
-Numerics: K is summed in order in the tile accumulator, pair by pair (``tdpbf16ps``), so results are
-bit-identical to oneDNN's AMX kernel for calls of up to 32 rows, and within an ulp of its kernel for
-more rows (which orders a few sums differently).
+Numerics: K is summed in order in the tile accumulator, pair by pair (``tdpbf16ps``): bit-identical
+to oneDNN's AMX kernel for calls of up to 32 rows (so to oneDNN on each 32-row slice of any call) and
+within an ulp of its kernel for more rows (which orders a few sums differently).
 
 K must be a multiple of 32 (:func:`supports`; callers keep oneDNN otherwise); W and activation rows
 past N and M are zero-padded copies. The tile configuration is loaded at every call (oneDNN and the
@@ -53,6 +53,8 @@ typedef uint16_t bf16;
 #define TILE_LOAD_T1_(t, base, stride) \
     __asm__ volatile("tileloaddt1 (%0,%1,1), %%tmm" #t : : "r"(base), "r"((long)(stride)))
 #define TILE_LOAD_T1(t, base, stride) TILE_LOAD_T1_(t, base, stride)
+/* an activation tile (contiguous), hinted T1 where the activations stream */
+#define X_LOAD(t, base) do { if (g->x_stream) TILE_LOAD_T1(t, base, 64); else TILE_LOAD(t, base, 64); } while (0)
 
 """
     + AMX_PRELUDE
@@ -161,13 +163,9 @@ static void finish_one(const gemm_t *g, pending_t *p) {
     if (p->done == 4) p->buf = NULL;
 }
 
-static void finish(const gemm_t *g, pending_t *p) {
-    while (p->buf) finish_one(g, p);
-}
+static void finish(const gemm_t *g, pending_t *p) { while (p->buf) finish_one(g, p); }
 
-/* the K steps of the next chunk after which the pending epilogue's blocks run, two after each (all at
-   once queued more vector work than the tile products in flight cover) */
-#define EPILOGUE_AT 1
+#define EPILOGUE_AT 1 /* pending epilogue: two blocks after K steps 1, 2 (all four at once: ~5% slower) */
 
 /* W rows n0 .. n0 + 31 x the activations' columns of B tiles m0 .. m0 + 16 * nt - 1 (nt = 1 or 2):
    C^T in tmm0-3 (n tile i, m tile j: tmm 2 j + i), W tiles in tmm4, 5, x tiles in tmm6, 7; pf_step
@@ -175,7 +173,7 @@ static void finish(const gemm_t *g, pending_t *p) {
    epilogue of the previous chunk (pend) runs after EPILOGUE_AT K steps; this chunk's becomes pend. */
 static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *pf, int pf_step, float (*buf)[32],
                   pending_t *pend) {
-    const int64_t KB = g->K / 32, sw = 2 * g->K, xs = 16 * g->Mp; /* xs: words from a K step's B tiles to the next's */
+    const int64_t KB = g->K / 32, sw = 2 * g->K, xs = 16 * g->Mp; /* xs: words from K step to K step */
     const bf16 *w0 = w_tile(g, n0), *w1 = w_tile(g, n0 + 16);
     const uint32_t *x0 = x_tile(g->xt, g->Mp, 0, m0 / 16), *x1 = x0 + 256;
     _tile_zero(0);
@@ -185,19 +183,13 @@ static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *p
     for (int64_t kb = 0; kb < KB; kb++) {
         if (pf)
             for (int l = 0; l < pf_step; l += 64) _mm_prefetch(pf + kb * pf_step + l, _MM_HINT_T1);
-        if (g->x_stream)
-            TILE_LOAD_T1(6, x0 + kb * xs, 64);
-        else
-            TILE_LOAD(6, x0 + kb * xs, 64);
+        X_LOAD(6, x0 + kb * xs);
         TILE_LOAD(4, w0 + 32 * kb, sw);
         TILE_LOAD(5, w1 + 32 * kb, sw);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 5, 6);
         if (nt > 1) {
-            if (g->x_stream)
-                TILE_LOAD_T1(7, x1 + kb * xs, 64);
-            else
-                TILE_LOAD(7, x1 + kb * xs, 64);
+            X_LOAD(7, x1 + kb * xs);
             _tile_dpbf16ps(2, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
         }
