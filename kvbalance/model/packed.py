@@ -17,11 +17,11 @@ from torch import nn
 from kvbalance.model import amx_gemm
 
 PACK_ROWS_HINT = 64  # rows MKL tunes its packed weight layout for (a decode batch)
-# Most rows a bf16 call runs through the AMX kernel. Measured on one core (benchmarks/bench_gemm.py
-# layers, 30 cold layers of SmolLM2 + LM head, best of 7, two runs): 1.2-1.3x oneDNN up to 32 rows,
-# 1.03-1.13x from 40 to 64 (the layers; the LM head 1.0-1.5x), 1.03-1.08x at 80, behind from 96 on
-# (0.8-0.95x). Up to 32 rows the two give the same bits; above, results are within an ulp of oneDNN's
-# (which orders a few sums differently) and bit-identical to oneDNN on each 32-row slice.
+# Most rows a bf16 call runs through the AMX kernel. Measured on one shared core (benchmarks/bench_gemm.py
+# layers, 30 cold layers of SmolLM2 + LM head, best of 7, four runs): 1.3-1.8x oneDNN at 32 rows;
+# the layers 1.02-1.19x from 40 to 56 rows and 0.88-1.13x at 64, the LM head 0.9-1.5x there; a tie at
+# 80-96, behind at 128 (0.8-0.9x). Up to 32 rows the two give the same bits; above, results are within
+# an ulp of oneDNN's (which orders a few sums differently) and equal oneDNN's on each 32-row slice.
 AMX_MAX_ROWS = 64
 
 
