@@ -30,7 +30,8 @@ from kvbalance.executor import hugepages
 from kvbalance.model import native
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 30, 3, 3, 64, 64, 1024
-SHAPES = [(16, 200), (16, 1000), (64, 200), (64, 1000)]  # (batch, context tokens)
+# (batch, context tokens); 300 and 600 end each unit in a short window (256-key windows)
+SHAPES = [(16, 200), (16, 1000), (64, 200), (64, 300), (64, 600), (64, 1000)]
 
 
 def load_baseline(rev: str):

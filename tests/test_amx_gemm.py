@@ -1,7 +1,8 @@
 """The AMX bf16 GEMM (kvbalance/model/amx_gemm.py) and its dispatch in kvbalance/model/packed.py: results
 against float64 maths (one bf16 rounding of a float32 accumulation) and against oneDNN's packed matmul
-(bit-identical to its kernel for up to 32 rows, at every M), over M, N and K tails, bias, strided and
-3-D inputs; the fallbacks (``KVBALANCE_NATIVE_AMX=0``, K not a multiple of 32, grad mode, many rows)."""
+(bit-identical to its kernel for up to 32 rows, at every M, so to oneDNN on 32-row slices of any call;
+within an ulp of its kernel for more rows), over M from 1 to 300 with M, N and K tails, bias, strided
+and 3-D inputs; the fallbacks (``KVBALANCE_NATIVE_AMX=0``, K not a multiple of 32, grad mode, many rows)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ SHAPES = [
     (64, 576, 1536),
 ]
 SHAPES += [(70, 130, 224), (300, 40, 64), (20, 48, 64), (40, 16, 32)]
+# above 32 rows (the decode batches of 33-128 sequences): each row tail (M % 16, M % 32), a column tail,
+# one 16-row W tile, SmolLM2's shapes (K 576 and 1536)
+SHAPES += [(33, 100, 96), (40, 576, 576), (47, 16, 64), (48, 960, 576), (57, 33, 1536)]
+SHAPES += [(63, 576, 1536), (65, 48, 128), (80, 200, 576), (96, 72, 32), (113, 64, 160), (128, 130, 576)]
 
 
 def _data(m: int, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,15 +84,26 @@ def test_kernel_is_bit_identical_to_onednn_in_32_row_calls(m, n, k):
 
 
 @needs_amx
-def test_strided_and_3d_inputs_equal_the_contiguous_result():
-    x, w, b = _data(40, 96, 128)
+@pytest.mark.parametrize("m", [40, 100])
+def test_strided_and_3d_inputs_equal_the_contiguous_result(m):
+    x, w, b = _data(m, 96, 128)
     want = amx_gemm.linear(x, w, b)
-    wide = torch.zeros(40, 200, dtype=torch.bfloat16)
+    wide = torch.zeros(m, 200, dtype=torch.bfloat16)
     wide[:, 8:136] = x
     assert torch.equal(amx_gemm.linear(wide[:, 8:136], w, b), want)  # row stride 200 read in place
     assert torch.equal(amx_gemm.linear(x.T.contiguous().T, w, b), want)  # column-major: copied
-    assert torch.equal(amx_gemm.linear(x.view(4, 10, 128), w, b), want.view(4, 10, 96))
+    assert torch.equal(amx_gemm.linear(x.view(4, m // 4, 128), w, b), want.view(4, m // 4, 96))
     assert amx_gemm.linear(x[:0], w).shape == (0, 96)
+
+
+@needs_amx
+def test_rows_are_independent_at_every_batch_size():
+    # row i of a call of M rows equals the call of that row alone, for M on both sides of 32 (where the
+    # activations' tile loads change hint) and of the dispatch threshold: no row sees another's data
+    x, w, b = _data(128, 200, 576, seed=2)
+    alone = torch.cat([amx_gemm.linear(x[i : i + 1], w, b) for i in range(128)])
+    for m in (31, 32, 33, 48, 64, 96, 128):
+        assert torch.equal(amx_gemm.linear(x[:m], w, b), alone[:m]), m
 
 
 @needs_amx

@@ -60,3 +60,43 @@ def test_torch_executor_binds_and_sets_one_thread_per_core():
         for tid in os.listdir("/proc/self/task"):
             os.sched_setaffinity(int(tid), before)
         torch.set_num_threads(threads)
+
+
+def _restore_all(before):
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), before)
+        except OSError:
+            pass
+
+
+def test_thread_binder_pins_each_compute_thread_to_its_own_core():
+    torch = pytest.importorskip("torch")
+    from kvbalance.executor.cpu_affinity import ThreadBinder, _bind_library
+
+    before, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    if len(before) < 2 or _bind_library() is None:
+        pytest.skip("needs two cores and a C compiler")
+    cores = sorted(before)[:2][::-1]  # reversed: thread 0 (this one) goes to the higher core
+    try:
+        torch.set_num_threads(2)
+        binder = ThreadBinder(cores)
+        assert binder.ensure(2)
+        assert os.sched_getaffinity(0) == {cores[0]}  # the calling thread is thread 0 of its team
+        others = [
+            os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task") if int(t) != os.getpid()
+        ]
+        assert {cores[1]} in others  # the pool's worker
+        torch.ones(1 << 16).sum()  # torch's parallel regions reuse the pinned pool
+        assert binder.ensure(2)  # no second pin for the same thread and size
+        assert not binder.ensure(1)  # one thread: nothing to pin apart
+    finally:
+        torch.set_num_threads(threads)
+        _restore_all(before)
+
+
+def test_thread_binder_rejects_no_cores():
+    from kvbalance.executor.cpu_affinity import ThreadBinder
+
+    with pytest.raises(ValueError, match="cpu_cores"):
+        ThreadBinder([])

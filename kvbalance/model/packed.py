@@ -2,10 +2,10 @@
 layout (bfloat16 on CPUs with native bf16 dot products). :func:`linear` is ``layer(x)`` through the
 layer's packed copy where ``LlamaModel.pack_weights_for_cpu`` made one.
 
-bfloat16 calls of at most :data:`AMX_MAX_ROWS` rows (a decode step's linears and its LM head) run the
-AMX kernel of :mod:`kvbalance.model.amx_gemm` instead, where it runs: it streams the plain weight
-(no second packed copy) and reaches the memory rate these memory-bound shapes need; larger calls
-(prefill) and every call it cannot take (grad mode, another dtype, K not a multiple of 32,
+bfloat16 calls of at most :data:`AMX_MAX_ROWS` rows (a decode step's linears and its LM head at up to
+64 sequences) run the AMX kernel of :mod:`kvbalance.model.amx_gemm` instead, where it runs: it
+streams the plain weight (no second packed copy) and reaches the memory rate these memory-bound shapes
+need; larger calls (prefill) and every call it cannot take (grad mode, another dtype, K not a multiple of 32,
 ``KVBALANCE_NATIVE_AMX=0``) stay on oneDNN's packed weight.
 """
 
@@ -17,11 +17,12 @@ from torch import nn
 from kvbalance.model import amx_gemm
 
 PACK_ROWS_HINT = 64  # rows MKL tunes its packed weight layout for (a decode batch)
-# Most rows a bf16 call runs through the AMX kernel. Measured on one core (benchmarks/bench_gemm.py,
-# 30 cold layers of SmolLM2 + LM head): 1.2-1.5x oneDNN up to 32 rows, a tie from 33 to 64 (a second
-# pass of 32 activation rows over each weight block), oneDNN ahead beyond. Up to 32 rows the two give
-# the same bits, so the dispatch changes no result.
-AMX_MAX_ROWS = 32
+# Most rows a bf16 call runs through the AMX kernel. Measured on one shared core (benchmarks/bench_gemm.py
+# layers, 30 cold layers of SmolLM2 + LM head, best of 7, four runs): 1.3-1.8x oneDNN at 32 rows;
+# the layers 1.02-1.19x from 40 to 56 rows and 0.88-1.13x at 64, the LM head 0.9-1.5x there; a tie at
+# 80-96, behind at 128 (0.8-0.9x). Up to 32 rows the two give the same bits; above, results are within
+# an ulp of oneDNN's (which orders a few sums differently) and equal oneDNN's on each 32-row slice.
+AMX_MAX_ROWS = 64
 
 
 def _can_pack(w: torch.Tensor) -> bool:
