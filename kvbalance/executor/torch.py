@@ -83,15 +83,10 @@ def resolve_dtype(dtype: str, config: LlamaConfig, device: torch.device | str) -
 
 
 def _greedy_settings(sp) -> bool:
-    """Whether a request's ``SamplingParams`` are plain greedy (no logprobs, bias or penalties): on the
-    CPU a step whose rows all are takes the fast path (:func:`greedy_argmax` on the LM head's dtype)."""
-    return (
-        sp.temperature < SAMPLING_EPS
-        and sp.logprobs is None
-        and not sp.logit_bias
-        and sp.presence_penalty == 0.0
-        and sp.frequency_penalty == 0.0
-    )
+    """Plain greedy ``SamplingParams`` (no logprobs, bias or penalties): on the CPU a step whose rows all
+    are takes the fast path (:func:`greedy_argmax` on the LM head's dtype)."""
+    penalised = sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+    return sp.temperature < SAMPLING_EPS and sp.logprobs is None and not sp.logit_bias and not penalised
 
 
 def _sample_request(req, sp, end: int) -> SampleRequest:
