@@ -78,11 +78,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ms = _toggle(eng, args.reps)
     print(f"decode step, {args.batch} seqs at context ~{args.context}, {args.threads} thread(s); ms per step")
-    print(f"{'layers':12s} {'cpu min':>8s} {'cpu med':>8s} {'wall min':>9s} {'wall med':>9s}")
+    print(f"{'layers':12s} {'cpu min':>8s} {'cpu q1':>8s} {'cpu med':>8s} {'wall min':>9s} {'wall med':>9s}")
     for on, name in ((False, "general"), (True, "glue-free")):
         cpu, wall = ms[on]
         print(
-            f"{name:12s} {min(cpu):8.1f} {statistics.median(cpu):8.1f} {min(wall):9.1f} "
+            f"{name:12s} {min(cpu):8.1f} {statistics.quantiles(cpu, n=4)[0]:8.1f} {statistics.median(cpu):8.1f} "
+            f"{min(wall):9.1f} "
             f"{statistics.median(wall):9.1f}"
         )
     print("\nCPU ms of the step's parts (glue-free layers), median")
