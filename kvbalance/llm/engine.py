@@ -166,7 +166,6 @@ class LLMEngine:
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
-        self._covered: dict[str, int] = {}  # output tokens each request's outputs have covered so far
         self._ids = itertools.count()
         self._t0 = time.perf_counter()
         self.step_log: list[tuple[int, int, float, float]] = []  # (tokens, seqs, duration_s, forward_s)
@@ -221,7 +220,6 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         self._detok.pop(request_id, None)
-        self._covered.pop(request_id, None)
         if req is not None and not req.is_finished:
             self.instance.abort(req, self.now())
 
@@ -256,9 +254,7 @@ class LLMEngine:
                     delta, text = self._emit(req, detok), detok.text
                 else:  # the text when someone reads it
                     n = len(req.output_token_ids)
-                    detok.defer(n)
-                    lazy = (self.tokenizer, detok, self._covered.get(req.request_id, 0), n)
-                    self._covered[req.request_id] = n
+                    lazy = (self.tokenizer, detok, detok.defer(n), n)
             done = req.is_finished or req.request_id in finished
             outputs.append(
                 RequestOutput(
@@ -275,7 +271,6 @@ class LLMEngine:
             if done:
                 self.requests.pop(req.request_id, None)
                 self._detok.pop(req.request_id, None)
-                self._covered.pop(req.request_id, None)
         return outputs
 
     @staticmethod
@@ -291,7 +286,7 @@ class LLMEngine:
     def text_of(self, request_id: str) -> str:
         d, req = self._detok.get(request_id), self.requests.get(request_id)
         if d is not None and req is not None and self.tokenizer is not None:
-            d.upto(self.tokenizer, req.output_token_ids, self._covered.get(request_id, 0))
+            d.upto(self.tokenizer, req.output_token_ids, d.covered)
         return d.text if d else ""
 
     def run_until_done(self, progress=None) -> None:

@@ -18,7 +18,7 @@ class Detokenizer:
     (:meth:`upto`): the same :meth:`step` calls on the same token prefixes, so the same text.
     """
 
-    __slots__ = ("prefix_offset", "read_offset", "text", "sent", "pending", "ends")
+    __slots__ = ("prefix_offset", "read_offset", "text", "sent", "pending", "ends", "covered")
 
     def __init__(self) -> None:
         self.prefix_offset = 0
@@ -27,10 +27,14 @@ class Detokenizer:
         self.sent = 0  # characters of ``text`` already emitted as deltas
         self.pending: deque[int] = deque()  # deferred steps: token counts, ascending
         self.ends: dict[int, int] = {0: 0}  # len(text) after the step over the first k tokens
+        self.covered = 0  # tokens the deferred steps cover so far
 
-    def defer(self, num_tokens: int) -> None:
-        """Note a step over the first ``num_tokens`` tokens, to run when its text is read."""
+    def defer(self, num_tokens: int) -> int:
+        """Note a step over the first ``num_tokens`` tokens, to run when its text is read; returns the
+        tokens the previous deferred step covered (where this step's text starts)."""
+        before, self.covered = self.covered, num_tokens
         self.pending.append(num_tokens)
+        return before
 
     def upto(self, tokenizer, ids: Sequence[int], num_tokens: int) -> int:
         """Run the deferred steps up to ``num_tokens`` tokens; ``len(text)`` after that one."""
