@@ -82,15 +82,19 @@ def resolve_dtype(dtype: str, config: LlamaConfig, device: torch.device | str) -
     return wanted
 
 
+def _penalised(sp) -> bool:
+    return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+
+
 def _greedy_settings(sp) -> bool:
-    """Plain greedy ``SamplingParams`` (no logprobs, bias or penalties): on the CPU a step whose rows all
-    are takes the fast path (:func:`greedy_argmax` on the LM head's dtype)."""
-    penalised = sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
-    return sp.temperature < SAMPLING_EPS and sp.logprobs is None and not sp.logit_bias and not penalised
+    """Plain greedy ``SamplingParams`` (no logprobs, bias or penalties: ``SampleRequest.adjusts_logits``
+    false): on the CPU a step whose rows all are takes the fast path (:func:`greedy_argmax` on the LM
+    head's dtype)."""
+    return sp.temperature < SAMPLING_EPS and sp.logprobs is None and not sp.logit_bias and not _penalised(sp)
 
 
 def _sample_request(req, sp, end: int) -> SampleRequest:
-    penalised = sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+    penalised = _penalised(sp)
     return SampleRequest(
         sp.temperature,
         sp.top_k,
