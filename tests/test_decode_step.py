@@ -124,3 +124,33 @@ def test_steps_with_a_prefill_or_other_dtypes_keep_the_general_path():
         assert decode_step.decode_plan(ex.model, torch.zeros(1, 72, dtype=BF16), dec) is not None
         assert decode_step.decode_plan(ex.model, torch.zeros(1, 72), dec) is None  # float32 activations
     assert decode_step.decode_plan(ex.model, torch.zeros(1, 72, dtype=BF16), dec) is None  # grad mode
+
+
+def test_executor_keeps_the_decodes_one_group_for_the_paged_kernel(monkeypatch):
+    """The paged kernel pads no context, so the executor does not split decodes by context length (that
+    split is for SDPA over gathered blocks): an all-decode step with contexts from 5 to 200 is one group
+    and takes the glue-free path, and its tokens equal those of the split step."""
+    lens = [5, 8, 10, 12, 15, 20, 150, 160, 170, 180, 190, 200]  # _split_decodes cuts this in groups
+    meta = llama.build_step_metadata(
+        lens, [1] * len(lens), [list(range(i * 13, i * 13 + 13)) for i in range(len(lens))],
+        list(range(len(lens))), BLOCK, 2, "cpu", BF16,
+    )  # fmt: skip
+    assert len(meta.groups) > 1
+    tokens = {}
+    for split in (False, True):
+        ex = TorchExecutor(
+            CONFIG, random_weights(CONFIG, seed=0), num_blocks=160, block_size=BLOCK, dtype=BF16
+        )
+        assert ex.split_decodes is False  # the native kernel applies to this model
+        ex.split_decodes = split
+        free, reqs = list(range(160)), _requests(lens)
+        _step(ex, reqs, free)  # the prefills
+        calls = []
+        real = decode_step.run_layers
+        monkeypatch.setattr(
+            decode_step, "run_layers", lambda *a, real=real, calls=calls: calls.append(1) or real(*a)
+        )
+        tokens[split] = [_step(ex, reqs, free) for _ in range(3)]
+        monkeypatch.setattr(decode_step, "run_layers", real)
+        assert calls == ([] if split else [1, 1, 1])
+    assert tokens[False] == tokens[True]

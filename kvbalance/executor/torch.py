@@ -204,6 +204,7 @@ class TorchExecutor:
                 self.device,
             )
         self.model.bind_kv_cache(list(self.kv_cache[:, 0]), list(self.kv_cache[:, 1]))
+        self.split_decodes = self.model.decode_attention_pads()  # decodes by context length, for SDPA only
         self.generator = torch.Generator(device=self.device).manual_seed(0)  # unseeded random sampling
         self._last_logits: torch.Tensor | None = None  # [S, V] of the latest step, the LM head's dtype
         self.last_logits_request_ids: list[str] = []
@@ -310,6 +311,7 @@ class TorchExecutor:
             attn.group,
             self.device,
             attention_dtype(self.dtype, self.kv_dtype),
+            split_decodes=self.split_decodes,
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, meta, sample_ids, None if greedy else [_sample_request(*x) for x in sampling]

@@ -240,6 +240,17 @@ class LlamaModel(nn.Module):
         for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
             layer.attn.k_cache, layer.attn.v_cache = k, v
 
+    def decode_attention_pads(self) -> bool:
+        """Whether decode attention pads each sequence to its group's longest context (the SDPA path over
+        gathered blocks; then :func:`build_step_metadata` should split decodes by context length), or
+        runs the native paged kernel, which reads each sequence's own blocks and pads nothing (one group
+        of all decodes is best: measured 1.29x output tokens/s on a 64-request ShareGPT draw, one core)."""
+        attn = self.layers[0].attn
+        if attn.k_cache is None:
+            raise RuntimeError("decode_attention_pads: no KV cache bound (bind_kv_cache first)")
+        probe = torch.empty(0, dtype=self.embed.weight.dtype, device=attn.k_cache.device)
+        return not native.can_use(probe, attn.k_cache, attn.group)
+
     def forward(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] for the flattened step (positions come from ``meta``)."""
         freqs = meta.positions.float()[:, None] * self.inv_freq.float()[None, :]

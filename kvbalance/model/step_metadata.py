@@ -122,12 +122,17 @@ def build_step_metadata(
     group_size: int,
     device: torch.device | str,
     dtype: torch.dtype,
+    split_decodes: bool = True,
 ) -> StepMetadata:
     """Vectorised (numpy) construction of the step's index tensors.
 
     ``seq_starts[b]``: first new position of sequence b; ``seq_lens[b]``: its new tokens;
     ``block_tables[b]``: its physical block ids; ``sample_rows``: indices b that sample.
     ``group_size`` is query heads per KV head (masks are laid out for folded GQA queries).
+    ``split_decodes``: split the decodes by context length (:func:`_split_decodes`), for a decode
+    attention that pads every sequence to its group's longest context (SDPA over gathered blocks). A
+    paged kernel that stops at each sequence's own length pads nothing: pass False, and the decodes stay
+    one group (one kernel call a layer, and an all-decode step with no token index to scatter through).
     """
 
     def t(a: np.ndarray) -> torch.Tensor:
@@ -148,7 +153,11 @@ def build_step_metadata(
     slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size
 
     is_decode = lens == 1
-    row_sets = _split_decodes(ctx, np.flatnonzero(is_decode), block_size) if is_decode.any() else []
+    decodes = np.flatnonzero(is_decode)
+    if not len(decodes):
+        row_sets = []
+    else:
+        row_sets = _split_decodes(ctx, decodes, block_size) if split_decodes else [decodes]
     groups = []
     only_group = len(row_sets) + int((~is_decode).sum()) == 1
     for rows in row_sets:
