@@ -10,8 +10,9 @@ from kvbalance.executor import hugepages
 needs_thp = pytest.mark.skipif(not hugepages.available(), reason="no MADV_HUGEPAGE on this platform")
 
 
-def _vm_flags(ptr: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds address ``ptr`` (/proc/self/smaps)."""
+def _smaps_field(ptr: int, field: str) -> list[str]:
+    """The ``field`` line (e.g. ``VmFlags:``) of the mapping of this process that holds address ``ptr``
+    (/proc/self/smaps), split after the name."""
     inside = False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -19,9 +20,13 @@ def _vm_flags(ptr: int) -> list[str]:
             if "-" in head and ":" not in head:
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo <= ptr < hi
-            elif inside and head == "VmFlags:":
+            elif inside and head == field:
                 return line.split()[1:]
     raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def _vm_flags(ptr: int) -> list[str]:
+    return _smaps_field(ptr, "VmFlags:")
 
 
 @needs_thp
@@ -34,6 +39,15 @@ def test_a_large_tensor_is_zeroed_writable_and_advised_for_huge_pages():
     t[2, 1023, 1023] = 7.0
     t[0].fill_(1.0)
     assert t.float().sum().item() == 1024 * 1024 + 7.0
+
+
+@needs_thp
+def test_the_pages_are_faulted_in_at_allocation():
+    """Resident before anything touches them (no page faults, no THP compaction in the first steps)."""
+    t = hugepages.zeros((8, 1024, 1024), torch.bfloat16)  # 16 MiB
+    rss_kb = int(_smaps_field(t.data_ptr(), "Rss:")[0])
+    assert rss_kb >= 16 * 1024
+    assert not t.any()
 
 
 def test_small_or_non_cpu_tensors_are_plain_zeros(monkeypatch):

@@ -9,7 +9,7 @@ random through a 1.5 GB cache, best of 5; ``--small-pages`` for 4 KiB): 64 seque
 
 Linux's THP policy is usually ``madvise``: memory gets huge pages only where the process asks for them
 (``madvise(MADV_HUGEPAGE)``) before first touching it. :func:`zeros` maps anonymous memory (zero-filled
-by the kernel, as ``torch.zeros``), asks for huge pages and wraps it as a tensor that keeps the mapping
+by the kernel, as ``torch.zeros``), asks for huge pages, faults them in (:func:`prefault`) and wraps it as a tensor that keeps the mapping
 alive. Elsewhere (no ``mmap.MADV_HUGEPAGE``, a CUDA device, under 2 MiB) it is ``torch.zeros``.
 """
 
@@ -38,4 +38,20 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
         buf.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # THP disabled ("never"): small pages, as torch.zeros
         pass
-    return torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
+    t = torch.frombuffer(buf, dtype=dtype, count=math.prod(shape)).view(shape)
+    prefault(buf)
+    return t
+
+
+def prefault(buf: mmap.mmap) -> None:
+    """Fault every page of ``buf`` in now, writing one zero byte per huge page (the kernel hands out
+    zeroed pages, so the contents stay zeros). A lazily mapped KV cache otherwise takes its page faults
+    (each a 2 MiB zero fill, and under THP's ``defrag=madvise`` a compaction) in the first steps that
+    write each page: measured on this machine, 0.69 s of KV writes in the prefill of 64 ShareGPT prompts
+    (20k tokens) that take 0.15 s on touched pages. vLLM's cache (``torch.zeros``) is touched at
+    start-up too."""
+    view = memoryview(buf)
+    try:
+        view[::HUGE_PAGE_BYTES] = bytes(len(range(0, len(buf), HUGE_PAGE_BYTES)))
+    finally:
+        view.release()
