@@ -9,8 +9,8 @@ random through a 1.5 GB cache, best of 5; ``--small-pages`` for 4 KiB): 64 seque
 
 Linux's THP policy is usually ``madvise``: memory gets huge pages only where the process asks for them
 (``madvise(MADV_HUGEPAGE)``) before first touching it. :func:`zeros` maps anonymous memory (zero-filled
-by the kernel, as ``torch.zeros``), asks for huge pages, faults them in (:func:`prefault`) and wraps it as a tensor that keeps the mapping
-alive. Elsewhere (no ``mmap.MADV_HUGEPAGE``, a CUDA device, under 2 MiB) it is ``torch.zeros``.
+by the kernel, as ``torch.zeros``), asks for huge pages, faults them in (:func:`prefault`) and wraps it
+as a tensor that keeps the mapping alive. Elsewhere (no ``mmap.MADV_HUGEPAGE``, a CUDA device, under 2 MiB) it is ``torch.zeros``.
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ def prefault(buf: mmap.mmap) -> None:
     zeroed pages, so the contents stay zeros). A lazily mapped KV cache otherwise takes its page faults
     (each a 2 MiB zero fill, and under THP's ``defrag=madvise`` a compaction) in the first steps that
     write each page: measured on this machine, 0.69 s of KV writes in the prefill of 64 ShareGPT prompts
-    (20k tokens) that take 0.15 s on touched pages. vLLM's cache (``torch.zeros``) is touched at
+    (20k tokens) that take 0.07 s on touched pages. vLLM's cache (``torch.zeros``) is touched at
     start-up too."""
     view = memoryview(buf)
     try:
-        view[::HUGE_PAGE_BYTES] = bytes(len(range(0, len(buf), HUGE_PAGE_BYTES)))
+        view[::HUGE_PAGE_BYTES] = bytes(-(-len(buf) // HUGE_PAGE_BYTES))  # one byte per huge page
     finally:
         view.release()

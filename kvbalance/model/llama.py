@@ -244,7 +244,8 @@ class LlamaModel(nn.Module):
         """Whether decode attention pads each sequence to its group's longest context (the SDPA path over
         gathered blocks; then :func:`build_step_metadata` should split decodes by context length), or
         runs the native paged kernel, which reads each sequence's own blocks and pads nothing (one group
-        of all decodes is best: measured 1.29x output tokens/s on a 64-request ShareGPT draw, one core)."""
+        of all decodes is best: 1.29x output tokens/s in one pair of runs on a 64-request ShareGPT draw, one
+        core)."""
         attn = self.layers[0].attn
         if attn.k_cache is None:
             raise RuntimeError("decode_attention_pads: no KV cache bound (bind_kv_cache first)")

@@ -154,10 +154,9 @@ def build_step_metadata(
 
     is_decode = lens == 1
     decodes = np.flatnonzero(is_decode)
-    if not len(decodes):
-        row_sets = []
-    else:
-        row_sets = _split_decodes(ctx, decodes, block_size) if split_decodes else [decodes]
+    row_sets = [decodes] if len(decodes) else []
+    if split_decodes and len(decodes):
+        row_sets = _split_decodes(ctx, decodes, block_size)
     groups = []
     only_group = len(row_sets) + int((~is_decode).sum()) == 1
     for rows in row_sets:
