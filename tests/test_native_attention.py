@@ -12,7 +12,20 @@ if native.native_library() is None:
     pytest.skip("no C compiler: the engine uses the PyTorch path", allow_module_level=True)
 
 
-@pytest.mark.parametrize("group, head_dim, block_size", [(3, 64, 16), (1, 32, 8), (4, 128, 32)])
+# groups around the AVX2 kernel's tiles (8 heads scored, 4 weighted at a time), head dims of 2-32 chunks
+@pytest.mark.parametrize(
+    "group, head_dim, block_size",
+    [
+        (3, 64, 16),
+        (1, 32, 8),
+        (4, 128, 32),
+        (5, 16, 64),
+        (7, 64, 16),
+        (8, 128, 24),
+        (9, 48, 16),
+        (16, 256, 8),
+    ],
+)
 def test_matches_gathered_sdpa(group, head_dim, block_size):
     g = torch.Generator().manual_seed(0)
     kvh, num_blocks, b = 2, 40, 5
@@ -31,6 +44,19 @@ def test_matches_gathered_sdpa(group, head_dim, block_size):
         vc = v[:, table[i]].reshape(kvh, -1, head_dim)[:, :n]
         ref = torch.nn.functional.scaled_dot_product_attention(q[i], kc, vc, scale=scale)
         torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-4)
+
+
+def test_cpus_with_avx2_but_no_avx512_run_the_avx2_kernel():
+    """Which kernel -march=native builds: the AVX2 one exactly where the CPU has AVX2 and FMA but not
+    AVX-512F (the portable kernel's 16-float vectors spill there)."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    expected = {"avx2", "fma"} <= flags and "avx512f" not in flags
+    assert native.native_library(3, 64).avx2 == expected
 
 
 def _reference(q, k, v, table, ctx, scale):

@@ -39,9 +39,10 @@ import torch
 
 from kvbalance.model import cbuild
 from kvbalance.model.native_amx import AMX_SOURCE
+from kvbalance.model.native_avx2 import AVX2_SOURCE
 from kvbalance.model.native_src import ENTRY_SOURCE, KERNEL_SOURCE
 
-_SOURCE = KERNEL_SOURCE + AMX_SOURCE + ENTRY_SOURCE
+_SOURCE = KERNEL_SOURCE + AMX_SOURCE + AVX2_SOURCE + ENTRY_SOURCE
 _AMX_FLAGS = ("-DHAVE_AMX=1", "-mamx-tile", "-mamx-bf16")
 
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
@@ -71,6 +72,8 @@ def _build(group: int, head_dim: int, kv_bf16: bool, io_bf16: bool) -> ctypes.CD
     lib.write_kv.restype = None
     lib.amx_available.restype = ctypes.c_int
     lib.amx = bool(lib.amx_available())  # cpuid says AMX-BF16 and the OS granted tile data
+    lib.attention_avx2.restype = ctypes.c_int
+    lib.avx2 = bool(lib.attention_avx2())  # built for AVX2 without AVX-512: native_avx2's kernel
     return lib
 
 

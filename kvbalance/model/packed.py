@@ -1,5 +1,6 @@
-"""Matmuls through pre-packed weights on the CPU: MKL's packed GEMM (float32) and oneDNN's blocked
-layout (bfloat16 on CPUs with native bf16 dot products). :func:`linear` is ``layer(x)`` through the
+"""Matmuls through pre-packed weights on the CPU: MKL's packed GEMM (float32; on CPUs with AVX2 but no
+AVX-512 the AVX2 kernel of :mod:`kvbalance.model.avx2_gemm` over its own panels instead) and oneDNN's
+blocked layout (bfloat16 on CPUs with native bf16 dot products). :func:`linear` is ``layer(x)`` through the
 layer's packed copy where ``LlamaModel.pack_weights_for_cpu`` made one.
 
 bfloat16 calls of at most :data:`AMX_MAX_ROWS` rows (a decode step's linears and its LM head at up to
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvbalance.model import amx_gemm
+from kvbalance.model import amx_gemm, avx2_gemm
 
 PACK_ROWS_HINT = 64  # rows MKL tunes its packed weight layout for (a decode batch)
 # Most rows a bf16 call runs through the AMX kernel. Measured on one shared core (benchmarks/bench_gemm.py
@@ -29,7 +30,9 @@ def _can_pack(w: torch.Tensor) -> bool:
     if w.device.type != "cpu":
         return False
     if w.dtype == torch.float32:
-        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+        return avx2_gemm.preferred() or (
+            torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+        )
     return w.dtype == torch.bfloat16 and native_bf16_matmul()
 
 
@@ -47,18 +50,24 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     # shape only (the row count is a hint): one copy serves every batch size, and results equal the
     # unpacked GEMM's.
     if w.dtype == torch.float32:
+        if avx2_gemm.preferred():
+            return avx2_gemm.pack(w)
         return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
 
 
-def _amx_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    grad = torch.is_grad_enabled() and (
+def _grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether autograd records this call (the native kernels do not take part in it)."""
+    return torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
+
+
+def _amx_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (
         0 < rows <= AMX_MAX_ROWS
-        and not grad
+        and not _grad(x, weight, bias)
         and x.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and (bias is None or bias.dtype == torch.bfloat16)
@@ -73,6 +82,10 @@ def _packed_linear(
     if weight.dtype == torch.bfloat16 and _amx_takes(x, weight, bias):
         return amx_gemm.linear(x, weight, bias)  # few rows: the AMX kernel on the plain weight
     if weight.dtype == torch.float32:
+        if avx2_gemm.preferred():  # its own panels (see _pack)
+            if x.dtype != torch.float32 or x.device.type != "cpu" or _grad(x, weight, bias):
+                return torch.nn.functional.linear(x, weight, bias)
+            return avx2_gemm.linear(x, packed, weight.shape[0], bias)
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.numel() // x.shape[-1])
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

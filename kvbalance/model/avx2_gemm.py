@@ -1,0 +1,275 @@
+"""A float32 GEMM for CPUs with AVX2 and FMA but no AVX-512: ``y = x @ W^T (+ bias)`` over a packed weight.
+
+On such CPUs (AMD Zen 2/3, older Intel) torch's float32 linears go through MKL, whose kernels there reach
+well under the core's FMA peak at the shapes of an LLM's decode step. Measured on the AMD EPYC (Zen 3)
+development machine, one thread, SmolLM2-135M's shapes at 64 rows (``benchmarks/bench_gemm.py avx2``):
+MKL's packed GEMM 44-77 GFLOP/s (the tied LM head 29-47), this kernel 71-83 (the LM head 53-70), against
+a peak of ~82 measured with everything in L1.
+
+- **Layout**: the weight ``[N, K]`` is packed once into panels of 16 output columns, each ``[K][16]``
+  contiguous (the last panel zero-padded), so a panel streams in order and every K step of the micro-kernel
+  reads one 64-byte line of it.
+- **Micro-kernel**: 6 rows x 16 columns of float32 accumulators (12 of the 16 ymm registers); each K step
+  loads the panel's two vectors, broadcasts one activation per row and issues 12 FMAs.
+- **Blocking**: K in even slices of at most 384 (a panel slice of <= 24 KiB stays in L1 while every row
+  block of the call passes over it); rows in blocks of 96 (their activation slice stays in L2). While the
+  row blocks run over one panel slice, the next slice is prefetched into L1, spread across them.
+- **Threads**: the panels are split evenly among torch's intra-op threads (the same OpenMP runtime); each
+  thread owns its output columns, so no two threads write the same line.
+
+Numerics: each output sums its K products in order within each K slice (FMA, float32), then the slices in
+order, then the bias: the same bits whatever the row count, the row's place in the batch and the thread
+count (batch-invariant), within float32 rounding of MKL (which orders sums differently).
+
+Runs where the CPU has AVX2 and FMA (cpuid) and the C compiler builds it; :func:`preferred` says whether
+:mod:`kvbalance.model.packed` takes it over MKL: on CPUs without AVX-512F (where MKL has its AVX-512
+kernels) unless ``KVBALANCE_NATIVE_GEMM`` says ``0`` (never) or ``1`` (wherever it runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import torch
+
+from kvbalance.model import cbuild
+
+PANEL = 16  # output columns per packed panel
+
+_SOURCE = r"""
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+#define MR 6    /* rows of the micro-kernel */
+#define KC 384  /* most K per slice: a 16-column panel slice of 24 KiB */
+#define MC 96   /* rows per block: their activation slice stays in L2 */
+#ifndef PF_MODE
+#define PF_MODE 1
+#endif
+
+int cpu_ok(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+int cpu_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+}
+
+/* w [N, K] row-major -> ceil(N / 16) panels of [K][16], columns past N zero */
+void pack(const float *w, int64_t n, int64_t k, float *wp) {
+    int64_t panels = (n + 15) / 16;
+    #pragma omp parallel for
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t j = 0; j < 16; j++) {
+            int64_t col = p * 16 + j;
+            float *dst = wp + p * k * 16 + j;
+            if (col < n)
+                for (int64_t i = 0; i < k; i++) dst[16 * i] = w[col * k + i];
+            else
+                for (int64_t i = 0; i < k; i++) dst[16 * i] = 0.f;
+        }
+}
+
+/* rows [0, mr) x 16 columns over one K slice; the first slice stores (+ bias), later ones accumulate.
+   ``pf``: ``npf`` lines of the next panel slice to prefetch into L1 */
+static inline __attribute__((always_inline)) void kernel(
+    int mr, const float *x, int64_t ldx, const float *wp, int kc, float *y, int64_t ldy, int nc, int first,
+    const float *bias, const float *pf, int npf) {
+#if PF_MODE == 0
+    for (int i = 0; i < npf; i++) _mm_prefetch((const char *)(pf + 16 * i), _MM_HINT_T0);
+#endif
+    __m256 c[MR][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+    for (int k = 0; k < kc; k++) {
+        __m256 w0 = _mm256_loadu_ps(wp + 16 * k), w1 = _mm256_loadu_ps(wp + 16 * k + 8);
+#if PF_MODE == 1
+        if (k < npf) _mm_prefetch((const char *)(pf + 16 * k), _MM_HINT_T0);
+#elif PF_MODE == 2
+        if (k < npf) _mm_prefetch((const char *)(pf + 16 * k), _MM_HINT_T1);
+#elif PF_MODE == 3
+        if (k < npf) _mm_prefetch((const char *)(pf + 16 * k), _MM_HINT_T0);
+        if (k < npf) _mm_prefetch((const char *)(pf + 16 * k + 16 * PF2), _MM_HINT_T1);
+#endif
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++) {
+            if (r < mr) {
+                __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+                c[r][0] = _mm256_fmadd_ps(a, w0, c[r][0]);
+                c[r][1] = _mm256_fmadd_ps(a, w1, c[r][1]);
+            }
+        }
+    }
+    /* through a buffer with constant indices: the accumulators stay in registers in the loop above */
+    float acc[MR * 16];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_ps(acc + 16 * r, c[r][0]);
+        _mm256_storeu_ps(acc + 16 * r + 8, c[r][1]);
+    }
+    for (int r = 0; r < mr; r++) {
+        float *o = y + r * ldy;
+        if (nc == 16) {
+            __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+            if (!first) {
+                b0 = _mm256_loadu_ps(o);
+                b1 = _mm256_loadu_ps(o + 8);
+            } else if (bias) {
+                b0 = _mm256_loadu_ps(bias);
+                b1 = _mm256_loadu_ps(bias + 8);
+            }
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(acc + 16 * r), b0));
+            _mm256_storeu_ps(o + 8, _mm256_add_ps(_mm256_loadu_ps(acc + 16 * r + 8), b1));
+        } else {
+            for (int j = 0; j < nc; j++) o[j] = acc[16 * r + j] + (!first ? o[j] : bias ? bias[j] : 0.f);
+        }
+    }
+}
+
+static void kernel_rows(int mr, const float *x, int64_t ldx, const float *wp, int kc, float *y, int64_t ldy,
+                        int nc, int first, const float *bias, const float *pf, int npf) {
+    switch (mr) {
+    case 6: kernel(6, x, ldx, wp, kc, y, ldy, nc, first, bias, pf, npf); break;
+    case 5: kernel(5, x, ldx, wp, kc, y, ldy, nc, first, bias, pf, npf); break;
+    case 4: kernel(4, x, ldx, wp, kc, y, ldy, nc, first, bias, pf, npf); break;
+    case 3: kernel(3, x, ldx, wp, kc, y, ldy, nc, first, bias, pf, npf); break;
+    case 2: kernel(2, x, ldx, wp, kc, y, ldy, nc, first, bias, pf, npf); break;
+    default: kernel(1, x, ldx, wp, kc, y, ldy, nc, first, bias, pf, npf); break;
+    }
+}
+
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T (+ bias [n]); wp from pack() */
+void gemm(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy, int64_t m,
+          int64_t n, int64_t k, int nthreads) {
+    int64_t panels = (n + 15) / 16;
+    int64_t slices = (k + KC - 1) / KC;
+    if (nthreads > panels) nthreads = (int)panels;
+    if (nthreads < 1) nthreads = 1;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        for (int64_t m0 = 0; m0 < m; m0 += MC) {
+            int64_t mc = m - m0 < MC ? m - m0 : MC;
+            int blocks = (int)((mc + MR - 1) / MR);
+            for (int64_t s = 0; s < slices; s++) {
+                int64_t k0 = k * s / slices;
+                int kc = (int)(k * (s + 1) / slices - k0);
+                for (int64_t p = p0; p < p1; p++) {
+                    const float *w = wp + (p * k + k0) * 16;
+                    /* the slice the next panel pass reads: this slice of the next panel, else the next slice */
+                    const float *next = p + 1 < p1 ? w + k * 16 : s + 1 < slices ? wp + (p0 * k + k * (s + 1) / slices) * 16 : w;
+                    int nc = n - p * 16 < 16 ? (int)(n - p * 16) : 16;
+                    for (int b = 0; b < blocks; b++) {
+                        int64_t r = m0 + (int64_t)b * MR;
+                        int mr = m0 + mc - r < MR ? (int)(m0 + mc - r) : MR;
+                        int l0 = kc * b / blocks, l1 = kc * (b + 1) / blocks;
+                        kernel_rows(mr, x + r * ldx + k0, ldx, w, kc, y + r * ldy + p * 16, ldy, nc, s == 0,
+                                    bias ? bias + p * 16 : 0, next + 16 * l0, l1 - l0);
+                    }
+                }
+            }
+        }
+    }
+}
+"""
+_FLAGS = (*cbuild.DEFAULT_FLAGS, "-mavx2", "-mfma")
+_lock = threading.Lock()
+_lib: list[ctypes.CDLL | None] = []
+
+
+def _library() -> ctypes.CDLL | None:
+    if not _lib:
+        with _lock:
+            if not _lib:
+                lib = None
+                out = cbuild.build("avx2_gemm", _SOURCE, _FLAGS, remember_failure=True)
+                if out is not None:
+                    try:
+                        lib = ctypes.CDLL(str(out))
+                    except OSError:
+                        lib = None
+                if lib is not None:
+                    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+                    lib.pack.argtypes = [ptr, i64, i64, ptr]
+                    lib.pack.restype = None
+                    lib.gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+                    lib.gemm.restype = None
+                    lib.ok = bool(lib.cpu_ok())
+                    lib.avx512 = bool(lib.cpu_avx512())
+                _lib.append(lib)
+    return _lib[0]
+
+
+def available() -> bool:
+    """Whether the kernel runs here: the CPU has AVX2 and FMA, native kernels are on and it builds."""
+    if not cbuild.native_enabled() or os.environ.get("KVBALANCE_NATIVE_GEMM") == "0":
+        return False
+    lib = _library()
+    return lib is not None and lib.ok
+
+
+def preferred() -> bool:
+    """Whether float32 linears take this kernel over MKL here (see the module docstring)."""
+    if not available():
+        return False
+    return os.environ.get("KVBALANCE_NATIVE_GEMM") == "1" or not _library().avx512
+
+
+def packed_size(n: int, k: int) -> int:
+    return (n + PANEL - 1) // PANEL * k * PANEL
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] float32 -> the packed panels (a 1-D float32 tensor, :func:`packed_size` long)."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
+        raise ValueError(
+            f"weight: expected a 2-D float32 CPU tensor, got {tuple(weight.shape)} {weight.dtype}"
+        )
+    lib = _library()
+    if lib is None or not lib.ok:
+        raise RuntimeError("avx2_gemm: not available on this machine (available() is False)")
+    w = weight.detach().contiguous()
+    n, k = w.shape
+    out = torch.empty(packed_size(n, k), dtype=torch.float32)
+    lib.pack(w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [..., K] float32 @ W^T (+ ``bias`` [N]) -> [..., N], ``packed`` from :func:`pack` of W [N, K]."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x: expected a float32 CPU tensor, got {x.dtype} on {x.device}")
+    k = x.shape[-1]
+    if packed.numel() != packed_size(n, k):
+        raise ValueError(f"packed: {packed.numel()} floats do not hold a [{n}, {k}] weight")
+    x2 = x.reshape(-1, k)
+    if k and x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
+    b = None
+    if bias is not None:
+        b = bias.detach().to(torch.float32).contiguous()
+    _library().gemm(
+        x2.data_ptr(),
+        x2.stride(0),
+        packed.data_ptr(),
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        n,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    return y
