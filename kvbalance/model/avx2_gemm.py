@@ -13,7 +13,8 @@ a peak of ~82 measured with everything in L1.
   loads the panel's two vectors, broadcasts one activation per row and issues 12 FMAs.
 - **Blocking**: K in even slices of at most 384 (a panel slice of <= 24 KiB stays in L1 while every row
   block of the call passes over it); rows in blocks of 96 (their activation slice stays in L2). While the
-  row blocks run over one panel slice, the next slice is prefetched into L1, spread across them.
+  row blocks run over one panel slice, the next slice is prefetched into L1, spread across them and
+  evenly over each one's K loop (bursts of prefetches measured up to 1.15x slower at 16-48 rows).
 - **Threads**: the panels are split evenly among torch's intra-op threads (the same OpenMP runtime); each
   thread owns its output columns, so no two threads write the same line.
 
@@ -46,9 +47,7 @@ _SOURCE = r"""
 #define MR 6    /* rows of the micro-kernel */
 #define KC 384  /* most K per slice: a 16-column panel slice of 24 KiB */
 #define MC 96   /* rows per block: their activation slice stays in L2 */
-#ifndef PF_MODE
-#define PF_MODE 1
-#endif
+
 
 int cpu_ok(void) {
     __builtin_cpu_init();
@@ -80,22 +79,17 @@ void pack(const float *w, int64_t n, int64_t k, float *wp) {
 static inline __attribute__((always_inline)) void kernel(
     int mr, const float *x, int64_t ldx, const float *wp, int kc, float *y, int64_t ldy, int nc, int first,
     const float *bias, const float *pf, int npf) {
-#if PF_MODE == 0
-    for (int i = 0; i < npf; i++) _mm_prefetch((const char *)(pf + 16 * i), _MM_HINT_T0);
-#endif
     __m256 c[MR][2];
 #pragma GCC unroll 6
     for (int r = 0; r < MR; r++) c[r][0] = c[r][1] = _mm256_setzero_ps();
+    int every = npf ? kc / npf : kc + 1, countdown = 1, issued = 0;
+    if (every < 1) every = 1;
     for (int k = 0; k < kc; k++) {
         __m256 w0 = _mm256_loadu_ps(wp + 16 * k), w1 = _mm256_loadu_ps(wp + 16 * k + 8);
-#if PF_MODE == 1
-        if (k < npf) _mm_prefetch((const char *)(pf + 16 * k), _MM_HINT_T0);
-#elif PF_MODE == 2
-        if (k < npf) _mm_prefetch((const char *)(pf + 16 * k), _MM_HINT_T1);
-#elif PF_MODE == 3
-        if (k < npf) _mm_prefetch((const char *)(pf + 16 * k), _MM_HINT_T0);
-        if (k < npf) _mm_prefetch((const char *)(pf + 16 * k + 16 * PF2), _MM_HINT_T1);
-#endif
+        if (--countdown == 0) { /* one line every `every` K steps, spread over the loop */
+            if (issued < npf) _mm_prefetch((const char *)(pf + 16 * issued++), _MM_HINT_T0);
+            countdown = every;
+        }
 #pragma GCC unroll 6
         for (int r = 0; r < MR; r++) {
             if (r < mr) {
@@ -178,7 +172,8 @@ void gemm(const float *x, int64_t ldx, const float *wp, const float *bias, float
     }
 }
 """
-_FLAGS = (*cbuild.DEFAULT_FLAGS, "-mavx2", "-mfma")
+# without -funroll-loops: unrolling the K loop on top of the 12 FMAs per step measured 30-40% slower
+_FLAGS = (*(f for f in cbuild.DEFAULT_FLAGS if f != "-funroll-loops"), "-mavx2", "-mfma")
 _lock = threading.Lock()
 _lib: list[ctypes.CDLL | None] = []
 
