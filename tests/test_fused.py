@@ -33,7 +33,7 @@ def kernels(request, monkeypatch):
         lib = fused._load("fused_portable", (*fused.FLAGS, "-mno-avx512f"))
         if lib is None:
             pytest.skip("the compiler cannot build without AVX-512 here")
-        monkeypatch.setattr(fused, "_lib", lib)
+        monkeypatch.setitem(fused._libs, BF16, lib)
     return request.param
 
 
@@ -118,8 +118,10 @@ def test_rope_is_the_float32_composition_rounded_once(kernels, t, heads, head_di
 
 def test_bad_input_names_the_field():
     x, w = torch.randn(3, 8).to(BF16), torch.ones(8, dtype=BF16)
-    with pytest.raises(ValueError, match="x: expected a 2-D CPU bfloat16"):
-        fused.rms_norm(x.float(), w, 1e-5)
+    with pytest.raises(ValueError, match="x: expected a 2-D CPU bfloat16 or float32"):
+        fused.rms_norm(x.double(), w, 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        fused.rms_norm(x.float(), w, 1e-5)  # a bfloat16 weight for float32 rows
     with pytest.raises(ValueError, match="weight"):
         fused.rms_norm(x, torch.ones(7, dtype=BF16), 1e-5)
     with pytest.raises(ValueError, match="delta"):
@@ -140,17 +142,53 @@ def test_bad_input_names_the_field():
 
 def test_disabled_by_kvbalance_native_0(monkeypatch):
     monkeypatch.setenv("KVBALANCE_NATIVE", "0")
-    monkeypatch.setattr(fused, "_lib", fused._UNSET)
+    monkeypatch.setattr(fused, "_libs", {})
     assert fused.library() is None and not fused.supports(torch.ones(2, dtype=BF16))
-    monkeypatch.setattr(fused, "_lib", fused._UNSET)  # decided again once the variable is gone
+    assert fused.library(torch.float32) is None and not fused.supports(torch.ones(2))
+    monkeypatch.setattr(fused, "_libs", {})  # decided again once the variable is gone
     monkeypatch.delenv("KVBALANCE_NATIVE")
     assert fused.library() is not None
 
 
-def test_fused_kernels_run_only_for_bf16_on_the_cpu_without_autograd():
+@pytest.mark.parametrize("rows", [1, 37])
+def test_float32_kernels_match_torch_float32(rows):
+    """The float32 build (-DELEM_F32=1): the residual add is exact, RMSNorm within a few float32 ulps of
+    F.rms_norm (the sum of squares is ordered differently), SiLU-and-mul within its polynomial exp's error,
+    RoPE bit-identical to apply_rope and the argmax equal to torch's; rows off the 16-lane width."""
+    g = torch.Generator().manual_seed(11)
+    n, i, hd = 72, 100, 64
+    x, d, w = (
+        torch.randn(rows, n, generator=g),
+        torch.randn(rows, n, generator=g),
+        torch.randn(n, generator=g),
+    )
+    ref = torch.nn.functional.rms_norm(x, (n,), w, 1e-5)
+    torch.testing.assert_close(fused.rms_norm(x, w, 1e-5), ref, atol=0, rtol=4 * 2**-23)
+    h = x.clone()
+    out = fused.add_rms_norm(h, d, w, 1e-5)
+    assert torch.equal(h, x + d)
+    torch.testing.assert_close(
+        out, torch.nn.functional.rms_norm(x + d, (n,), w, 1e-5), atol=0, rtol=4 * 2**-23
+    )
+    gu = 4 * torch.randn(rows, 2 * i, generator=g)
+    gate, up = gu.split(i, dim=1)
+    torch.testing.assert_close(
+        fused.silu_and_mul(gu), torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=1e-6
+    )
+    qk = torch.randn(rows, 3 * hd, generator=g)
+    ang = torch.rand(rows, hd // 2, generator=g) * 10
+    expect = llama.apply_rope(qk.view(rows, 3, hd), ang.cos(), ang.sin()).view(rows, -1)
+    fused.rope_(qk, ang.cos(), ang.sin(), 3, hd)
+    assert torch.equal(qk, expect)
+    logits = torch.randn(rows, 1000, generator=g)
+    assert fused.argmax_rows(logits) == logits.argmax(-1).tolist()
+
+
+def test_fused_kernels_run_only_for_bf16_and_float32_on_the_cpu_without_autograd():
     with torch.inference_mode():
-        assert fused.supports(torch.ones(2, dtype=BF16))
-        assert not fused.supports(torch.ones(2)) and not fused.supports(torch.ones(2, dtype=torch.float16))
+        assert fused.supports(torch.ones(2, dtype=BF16)) and fused.supports(torch.ones(2))
+        assert not fused.supports(torch.ones(2, dtype=torch.float16))
+        assert not fused.supports(torch.ones(2, dtype=torch.float64))
     with torch.no_grad():
         assert fused.supports(torch.ones(2, dtype=BF16))
     with torch.enable_grad():
@@ -194,7 +232,7 @@ def test_without_the_kernels_the_bf16_model_runs_torch_and_agrees(monkeypatch):
     model, ids, meta = _bf16_model_step()
     with torch.inference_mode():
         fast = model.compute_logits(model(ids, meta))
-        monkeypatch.setattr(fused, "_lib", None)
+        monkeypatch.setattr(fused, "_libs", {BF16: None, torch.float32: None})
         monkeypatch.setattr(native, "_libs", {}, raising=True)
         monkeypatch.setenv("KVBALANCE_NATIVE", "0")
         slow = model.compute_logits(model(ids, meta))

@@ -42,7 +42,7 @@ def test_kernel_reads_strided_rows_and_rejects_bad_input():
     view = x[::3, 1:]  # row stride 3 * 4099, rows offset by one element
     assert fused.argmax_rows(view) == torch.argmax(view.float(), dim=-1).tolist()
     with pytest.raises(ValueError, match="x:"):
-        fused.argmax_rows(x.float())
+        fused.argmax_rows(x.half())
     with pytest.raises(ValueError, match="empty"):
         fused.argmax_rows(x[:, :0])
 

@@ -41,8 +41,8 @@ from kvbalance.model.fused_src import SOURCE as _SOURCE
 
 # -ffp-contract=off: no fused multiply-adds, so each kernel rounds where torch's float32 composition does
 FLAGS = (*cbuild.DEFAULT_FLAGS, "-ffp-contract=off")
-_UNSET = object()
-_lib: object = _UNSET
+DTYPES = (torch.bfloat16, torch.float32)
+_libs: dict[torch.dtype, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 
 
@@ -64,40 +64,43 @@ def _load(name: str = "fused", flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | 
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None where they are disabled or cannot be built (decided once)."""
-    global _lib
-    if _lib is _UNSET:
+def library(dtype: torch.dtype = torch.bfloat16) -> ctypes.CDLL | None:
+    """The kernels compiled for rows of ``dtype`` (bfloat16 or float32), or None where they are disabled
+    or cannot be built (decided once per dtype)."""
+    if dtype not in _libs:
         with _lock:
-            if _lib is _UNSET:
-                _lib = _load()
-    return _lib  # type: ignore[return-value]
+            if dtype not in _libs:
+                f32 = dtype == torch.float32
+                _libs[dtype] = _load("fused_f32", (*FLAGS, "-DELEM_F32=1")) if f32 else _load()
+    return _libs[dtype]
 
 
 def supports(x: torch.Tensor) -> bool:
-    """Whether the kernels run on ``x``'s kind of tensor: bfloat16 on the CPU, with the library built,
-    and no autograd recording (inference; the C kernels record no gradients)."""
-    return x.dtype == torch.bfloat16 and x.is_cpu and not torch.is_grad_enabled() and library() is not None
+    """Whether the kernels run on ``x``'s kind of tensor: bfloat16 or float32 on the CPU, with the library
+    built, and no autograd recording (inference; the C kernels record no gradients)."""
+    return x.dtype in DTYPES and x.is_cpu and not torch.is_grad_enabled() and library(x.dtype) is not None
 
 
-def _rows(x: torch.Tensor, name: str) -> tuple[int, int]:
-    if x.dtype != torch.bfloat16 or not x.is_cpu or x.dim() != 2 or x.stride(1) != 1:
+def _rows(x: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> tuple[int, int]:
+    ok = x.dtype == dtype if dtype is not None else x.dtype in DTYPES
+    if not ok or not x.is_cpu or x.dim() != 2 or x.stride(1) != 1:
+        want = "bfloat16 or float32" if dtype is None else str(dtype).removeprefix("torch.")
         raise ValueError(
-            f"{name}: expected a 2-D CPU bfloat16 tensor with contiguous rows, got {x.dtype} "
+            f"{name}: expected a 2-D CPU {want} tensor with contiguous rows, got {x.dtype} "
             f"{tuple(x.shape)} strides {x.stride()} on {x.device}"
         )
     return x.shape[0], x.shape[1]
 
 
-def _weight(w: torch.Tensor, n: int) -> None:
-    if w.shape != (n,) or w.dtype != torch.bfloat16 or not w.is_contiguous():
-        raise ValueError(f"weight: expected a contiguous bfloat16 [{n}], got {w.dtype} {tuple(w.shape)}")
+def _weight(w: torch.Tensor, n: int, dtype: torch.dtype) -> None:
+    if w.shape != (n,) or w.dtype != dtype or not w.is_contiguous():
+        raise ValueError(f"weight: expected a contiguous {dtype} [{n}], got {w.dtype} {tuple(w.shape)}")
 
 
-def _out(out: torch.Tensor | None, t: int, n: int) -> torch.Tensor:
+def _out(out: torch.Tensor | None, t: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     if out is None:
-        return torch.empty(t, n, dtype=torch.bfloat16)
-    if _rows(out, "out") != (t, n):
+        return torch.empty(t, n, dtype=dtype)
+    if _rows(out, "out", dtype) != (t, n):
         raise ValueError(f"out: expected shape {(t, n)}, got {tuple(out.shape)}")
     return out
 
@@ -107,10 +110,10 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMSNorm of the rows of ``x`` [T, N] times ``weight`` [N] (into ``out`` if given)."""
     t, n = _rows(x, "x")
-    _weight(weight, n)
-    out = _out(out, t, n)
+    _weight(weight, n, x.dtype)
+    out = _out(out, t, n, x.dtype)
     if t:
-        library().rms_norm(
+        library(x.dtype).rms_norm(
             x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), t, n, eps,
             torch.get_num_threads(),
         )  # fmt: skip
@@ -122,12 +125,12 @@ def add_rms_norm(
 ) -> torch.Tensor:
     """``h += delta`` in place (the residual stream), then RMSNorm of the new ``h`` times ``weight``."""
     t, n = _rows(h, "h")
-    if _rows(delta, "delta") != (t, n):
+    if _rows(delta, "delta", h.dtype) != (t, n):
         raise ValueError(f"delta: expected shape {(t, n)} (as h), got {tuple(delta.shape)}")
-    _weight(weight, n)
-    out = _out(out, t, n)
+    _weight(weight, n, h.dtype)
+    out = _out(out, t, n, h.dtype)
     if t:
-        library().add_rms_norm(
+        library(h.dtype).add_rms_norm(
             h.data_ptr(), h.stride(0), delta.data_ptr(), delta.stride(0), weight.data_ptr(), out.data_ptr(),
             out.stride(0), t, n, eps, torch.get_num_threads(),
         )  # fmt: skip
@@ -139,9 +142,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     t, n = _rows(gate_up, "gate_up")
     if n % 2:
         raise ValueError(f"gate_up: expected an even number of columns (gate, up), got {n}")
-    out = torch.empty(t, n // 2, dtype=torch.bfloat16)
+    out = torch.empty(t, n // 2, dtype=gate_up.dtype)
     if t:
-        library().silu_and_mul(
+        library(gate_up.dtype).silu_and_mul(
             gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), t, n // 2,
             torch.get_num_threads(),
         )  # fmt: skip
@@ -155,14 +158,14 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
     if head_dim % 2 or num_heads * head_dim > n:
         raise ValueError(f"num_heads: {num_heads} heads of {head_dim} do not fit a row of {n}")
     for name, c in (("cos", cos), ("sin", sin)):
-        if c.dtype != torch.bfloat16 or c.shape != (t, head_dim // 2) or c.stride(1) != 1:
+        if c.dtype != x.dtype or c.shape != (t, head_dim // 2) or c.stride(1) != 1:
             raise ValueError(
-                f"{name}: expected bfloat16 [{t}, {head_dim // 2}], got {c.dtype} {tuple(c.shape)}"
+                f"{name}: expected {x.dtype} [{t}, {head_dim // 2}], got {c.dtype} {tuple(c.shape)}"
             )
     if cos.stride(0) != sin.stride(0):
         raise ValueError(f"sin: row stride {sin.stride(0)} differs from cos's {cos.stride(0)}")
     if t:
-        library().rope(
+        library(x.dtype).rope(
             x.data_ptr(), x.stride(0), t, num_heads, head_dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
             torch.get_num_threads(),
         )  # fmt: skip
@@ -176,5 +179,5 @@ def argmax_rows(x: torch.Tensor) -> list[int]:
         raise ValueError("x: rows are empty (no maximum)")
     out = torch.empty(t, dtype=torch.int64)
     if t:
-        library().argmax_rows(x.data_ptr(), x.stride(0), t, n, out.data_ptr(), torch.get_num_threads())
+        library(x.dtype).argmax_rows(x.data_ptr(), x.stride(0), t, n, out.data_ptr(), torch.get_num_threads())
     return out.tolist()

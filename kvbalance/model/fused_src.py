@@ -1,13 +1,18 @@
-"""C source of the fused bf16 CPU kernels (:mod:`kvbalance.model.fused` documents their numerics and
-loads them): RMSNorm, add + RMSNorm, SiLU-and-mul, RoPE and the row argmax, each with an AVX-512 build
-and a portable (GCC vector extension) build."""
+"""C source of the fused CPU kernels (:mod:`kvbalance.model.fused` documents their numerics and loads
+them): RMSNorm, add + RMSNorm, SiLU-and-mul, RoPE and the row argmax over rows of ``elem``: bf16 bits,
+or float32 where compiled with ``-DELEM_F32=1``; each with an AVX-512 build and a portable (GCC vector
+extension) build."""
 
 SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
-typedef uint16_t bf16;
+#if ELEM_F32
+typedef float elem; /* the float32 build (-DELEM_F32=1): rows of float32, no rounding */
+#else
+typedef uint16_t elem; /* bf16 bits */
+#endif
 typedef float vf __attribute__((vector_size(64), aligned(4))); /* 16 floats, any alignment */
 typedef int32_t vi __attribute__((vector_size(64), aligned(4)));
 typedef uint32_t vu __attribute__((vector_size(64), aligned(4)));
@@ -24,23 +29,32 @@ static inline vu round_bits(vf x) {
     vu r = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
     return (nan & 0x7FC00000u) | (~nan & r);
 }
+#if ELEM_F32
+static inline vf ld(const elem *p) { vf x; memcpy(&x, p, sizeof x); return x; }
+static inline void st(elem *p, vf x) { memcpy(p, &x, sizeof x); }
 #if defined(__AVX512F__)
 #include <immintrin.h>
+static inline vf madd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+#else
+static inline vf madd(vf a, vf b, vf c) { return a * b + c; }
+#endif
+#elif defined(__AVX512F__)
+#include <immintrin.h>
 /* GCC lowers the generic 16 x u16 <-> 16 x u32 conversions to five shuffles each: one instruction here */
-static inline vf ld(const bf16 *p) { /* widen: a bf16 is the top half of a float32 */
+static inline vf ld(const elem *p) { /* widen: a bf16 is the top half of a float32 */
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 }
-static inline void st(bf16 *p, vf x) {
+static inline void st(elem *p, vf x) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16((__m512i)(round_bits(x) >> 16)));
 }
 static inline vf madd(vf a, vf b, vf c) { return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
 #else
-static inline vf ld(const bf16 *p) {
+static inline vf ld(const elem *p) {
     vh h;
     memcpy(&h, p, sizeof h);
     return as_vf(__builtin_convertvector(h, vu) << 16);
 }
-static inline void st(bf16 *p, vf x) {
+static inline void st(elem *p, vf x) {
     vh h = __builtin_convertvector(round_bits(x) >> 16, vh);
     memcpy(p, &h, sizeof h);
 }
@@ -56,8 +70,8 @@ static inline float hsum(vf x) {
 }
 
 /* a row's tail of n < W elements, through a zero-padded buffer (so the tail runs the vector code) */
-static inline vf ld_tail(const bf16 *p, int64_t n) { bf16 b[W] = {0}; memcpy(b, p, n * 2); return ld(b); }
-static inline void st_tail(bf16 *p, vf x, int64_t n) { bf16 b[W]; st(b, x); memcpy(p, b, n * 2); }
+static inline vf ld_tail(const elem *p, int64_t n) { elem b[W] = {0}; memcpy(b, p, n * sizeof(elem)); return ld(b); }
+static inline void st_tail(elem *p, vf x, int64_t n) { elem b[W]; st(b, x); memcpy(p, b, n * sizeof(elem)); }
 #define LD(p, n) ((n) >= W ? ld(p) : ld_tail(p, n))
 #define ST(p, x, n) ((n) >= W ? st(p, x) : st_tail(p, x, n))
 
@@ -71,7 +85,7 @@ static inline void st_tail(bf16 *p, vf x, int64_t n) { bf16 b[W]; st(b, x); memc
     } while (0)
 
 /* -- RMSNorm: out = x * rsqrt(mean(x^2) + eps) * w, float32 inside, one rounding -- */
-static inline void norm_row(const bf16 *x, const bf16 *w, bf16 *out, int64_t n, float eps) {
+static inline void norm_row(const elem *x, const elem *w, elem *out, int64_t n, float eps) {
     vf a0 = splat(0.0f), a1 = splat(0.0f);
     int64_t i = 0;
     for (; i + 2 * W <= n; i += 2 * W) {
@@ -87,19 +101,19 @@ static inline void norm_row(const bf16 *x, const bf16 *w, bf16 *out, int64_t n, 
     FOR_CHUNKS(j, n, ST(out + j, LD(x + j, c_) * r * LD(w + j, c_), c_));
 }
 
-void rms_norm(const bf16 *x, int64_t xs, const bf16 *w, bf16 *out, int64_t os, int64_t T, int64_t N,
+void rms_norm(const elem *x, int64_t xs, const elem *w, elem *out, int64_t os, int64_t T, int64_t N,
               float eps, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T > 1)
     for (int64_t t = 0; t < T; t++) norm_row(x + t * xs, w, out + t * os, N, eps);
 }
 
-/* h = h + d (rounded, as torch's bf16 add), then out = RMSNorm(h) from the rounded h */
-void add_rms_norm(bf16 *h, int64_t hs, const bf16 *d, int64_t ds, const bf16 *w, bf16 *out, int64_t os,
+/* h = h + d (bf16: rounded, as torch's bf16 add), then out = RMSNorm(h) from the rounded h */
+void add_rms_norm(elem *h, int64_t hs, const elem *d, int64_t ds, const elem *w, elem *out, int64_t os,
                   int64_t T, int64_t N, float eps, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T > 1)
     for (int64_t t = 0; t < T; t++) {
-        bf16 *hr = h + t * hs;
-        const bf16 *dr = d + t * ds;
+        elem *hr = h + t * hs;
+        const elem *dr = d + t * ds;
         FOR_CHUNKS(i, N, ST(hr + i, LD(hr + i, c_) + LD(dr + i, c_), c_));
         norm_row(hr, w, out + t * os, N, eps);
     }
@@ -157,11 +171,11 @@ static inline vf vsilu(vf g) {
 }
 #endif
 
-void silu_and_mul(const bf16 *gu, int64_t gs, bf16 *out, int64_t os, int64_t T, int64_t I, int nthreads) {
+void silu_and_mul(const elem *gu, int64_t gs, elem *out, int64_t os, int64_t T, int64_t I, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T > 1)
     for (int64_t t = 0; t < T; t++) {
-        const bf16 *g = gu + t * gs, *u = g + I;
-        bf16 *o = out + t * os;
+        const elem *g = gu + t * gs, *u = g + I;
+        elem *o = out + t * os;
         FOR_CHUNKS(i, I, ST(o + i, vsilu(LD(g + i, c_)) * LD(u + i, c_), c_));
     }
 }
@@ -169,9 +183,13 @@ void silu_and_mul(const bf16 *gu, int64_t gs, bf16 *out, int64_t os, int64_t T, 
 /* -- argmax of each row: the first index of its maximum, as torch.argmax (a NaN counts as the maximum).
    Lane l keeps the first maximum among elements l, l + W, ... (a strict >), so the smallest index among
    the lanes holding the row maximum is the row's first; -0 and +0 compare equal, as in torch -- */
-static inline float widen1(bf16 h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+#if ELEM_F32
+static inline float widen1(elem h) { return h; }
+#else
+static inline float widen1(elem h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+#endif
 
-static int64_t argmax_scalar(const bf16 *r, int64_t n) {
+static int64_t argmax_scalar(const elem *r, int64_t n) {
     int64_t bi = 0;
     float bv = widen1(r[0]);
     for (int64_t j = 0; j < n; j++) {
@@ -182,7 +200,7 @@ static int64_t argmax_scalar(const bf16 *r, int64_t n) {
     return bi;
 }
 
-static int64_t argmax_row(const bf16 *r, int64_t n) {
+static int64_t argmax_row(const elem *r, int64_t n) {
     if (n < W) return argmax_scalar(r, n);
     vi idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, bidx = idx;
     vf best = ld(r);
@@ -210,27 +228,27 @@ static int64_t argmax_row(const bf16 *r, int64_t n) {
     return bi;
 }
 
-void argmax_rows(const bf16 *x, int64_t xs, int64_t T, int64_t N, int64_t *out, int nthreads) {
+void argmax_rows(const elem *x, int64_t xs, int64_t T, int64_t N, int64_t *out, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T > 1)
     for (int64_t t = 0; t < T; t++) out[t] = argmax_row(x + t * xs, N);
 }
 
-/* -- RoPE, rotate-half, in place over the first H heads of D of each row; cos/sin [T, D/2] bf16 -- */
-static inline void rope_chunk(bf16 *x, int64_t H, int64_t D, vf c, vf s, int64_t n) {
+/* -- RoPE, rotate-half, in place over the first H heads of D of each row; cos/sin [T, D/2] elem -- */
+static inline void rope_chunk(elem *x, int64_t H, int64_t D, vf c, vf s, int64_t n) {
     const int64_t half = D / 2;
     for (int64_t h = 0; h < H; h++) {
-        bf16 *p = x + h * D;
+        elem *p = x + h * D;
         vf x1 = LD(p, n), x2 = LD(p + half, n);
         ST(p, x1 * c - x2 * s, n);
         ST(p + half, x2 * c + x1 * s, n);
     }
 }
 
-void rope(bf16 *x, int64_t xs, int64_t T, int64_t H, int64_t D, const bf16 *cos_t, const bf16 *sin_t,
+void rope(elem *x, int64_t xs, int64_t T, int64_t H, int64_t D, const elem *cos_t, const elem *sin_t,
           int64_t cs, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1 && T > 1)
     for (int64_t t = 0; t < T; t++) {
-        const bf16 *c = cos_t + t * cs, *s = sin_t + t * cs;
+        const elem *c = cos_t + t * cs, *s = sin_t + t * cs;
         FOR_CHUNKS(i, D / 2, rope_chunk(x + t * xs + i, H, D, LD(c + i, c_), LD(s + i, c_), c_));
     }
 }

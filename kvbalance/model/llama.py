@@ -84,7 +84,7 @@ class Attention(nn.Module):
         t, kvh, hd = x.shape[0], self.num_kv_heads, self.head_dim
         qkv = linear(x, self.qkv)
         # q and k heads sit side by side in the fused output: one RoPE over both
-        if meta.cos.dtype == torch.bfloat16 and fused.supports(qkv):  # bf16 on the CPU: in place
+        if meta.cos.dtype == qkv.dtype and fused.supports(qkv):  # on the CPU: in place
             fused.rope_(qkv, meta.cos, meta.sin, self.num_heads + kvh, hd)
             q, k, v = qkv.view(t, -1, hd).split((self.num_heads, kvh, kvh), dim=1)
         else:
