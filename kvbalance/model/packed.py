@@ -97,8 +97,9 @@ def _version(w: torch.Tensor) -> int | None:
 def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     """``layer(x)``, through pre-packed weights where :meth:`LlamaModel.pack_weights_for_cpu` made them.
 
-    float32: MKL's packed GEMM; a decode step's few rows reach ~110 GFLOP/s with the plain weight on
-    this CPU and ~140 packed (the weight panels are laid out once instead of at every call).
+    float32: MKL's packed GEMM; a decode step's few rows reached ~110 GFLOP/s with the plain weight on
+    the earlier (AVX-512) development CPU and ~140 packed (the weight panels are laid out once instead of
+    at every call). On AVX2-only CPUs the AVX2 kernel over its own panels (:mod:`avx2_gemm`).
     bfloat16: oneDNN's AMX matmul (bf16 products, float32 accumulation, one rounding of the output),
     ~250-330 GFLOP/s on one thread at 64 rows with the weight pre-blocked, ~190-250 without. A weight
     changed in place since it was packed (its version counter moved) is packed again.
