@@ -244,3 +244,26 @@ def test_write_kv_equals_index_copy_from_strided_rows(dtype):
     ref_v.index_copy_(1, slots, v.transpose(0, 1))
     assert torch.equal(kc.view_as(ref_k), ref_k) and torch.equal(vc.view_as(ref_v), ref_v)
     assert not native.can_write_kv(k.float() if dtype == torch.bfloat16 else k.bfloat16(), v, kc)
+
+
+def test_threads_split_the_units_and_give_the_same_bits():
+    """Threads take contiguous runs of (sequence, head) units of about equal keys (uneven contexts here);
+    each unit's result does not depend on which thread ran it or what it prefetched."""
+    g = torch.Generator().manual_seed(4)
+    kvh, num_blocks, block_size, head_dim, group = 3, 64, 16, 64, 3
+    ctx = torch.tensor([1, 300, 17, 64, 5, 200, 33])
+    max_blocks = int((ctx.max() + block_size - 1) // block_size)
+    table = torch.randint(0, num_blocks, (len(ctx), max_blocks), generator=g)
+    k = torch.randn(kvh, num_blocks, block_size, head_dim, generator=g)
+    v = torch.randn(kvh, num_blocks, block_size, head_dim, generator=g)
+    q = torch.randn(len(ctx), kvh, group, head_dim, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.paged_decode_attention(q, k, v, table, ctx, 0.125)
+        torch.set_num_threads(2)
+        two = native.paged_decode_attention(q, k, v, table, ctx, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(one, _reference(q, k, v, table, ctx, 0.125), atol=1e-5, rtol=1e-4)

@@ -18,16 +18,18 @@ This kernel is laid out for 16 ymm registers, per (sequence, KV head) and block 
   2 chunks x up to 4 heads of them (8 registers) run over the block's V rows (in L1/L2 by then), the
   weights broadcast from the score buffer.
 - **Prefetch**: while a block is scored and weighted, the next block's K and V rows are prefetched
-  into L2, row by row (blocks are scattered, so the hardware prefetcher stops at each).
+  into L2, row by row (blocks are scattered, so the hardware prefetcher stops at each). Each thread runs
+  a contiguous run of (sequence, head) units of about equal keys, in order, so a unit's last block
+  prefetches the next unit's first.
 
 Included in :mod:`kvbalance.model.native`'s source between the portable kernel and the entry points;
-where the compiler targets AVX2 + FMA without AVX-512F, ``ATTEND_HEAD`` (what the entry point calls for
-every (sequence, head)) is ``attend_head_avx2``, elsewhere the portable ``attend_head``.
+where the compiler targets AVX2 + FMA without AVX-512F it defines ``AVX2_PATH`` and the entry point runs
+``attend_units_avx2``, elsewhere the portable ``attend_head`` per unit.
 """
 
 AVX2_SOURCE = r"""
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define ATTEND_HEAD attend_head_avx2
+#define AVX2_PATH 1
 int attention_avx2(void) { return 1; }
 #include <immintrin.h>
 #define D8 (D / 8) /* 8-float chunks of a row */
@@ -53,7 +55,7 @@ static inline __m256 reduce8(const __m256 *p) {
 
 static void attend_head_avx2(const io_t *restrict qh, const kv_t *restrict k, const kv_t *restrict v,
                              const int64_t *restrict tab, int64_t n_ctx, int64_t BS, float scale,
-                             io_t *restrict oh) {
+                             io_t *restrict oh, const kv_t *after_k, const kv_t *after_v) {
     float qs[GROUP * D] __attribute__((aligned(64))); /* scaled queries */
     float acc[GROUP * D] __attribute__((aligned(64))); /* weighted sums of values */
     float m[GROUP], l[GROUP];
@@ -70,8 +72,10 @@ static void attend_head_avx2(const io_t *restrict qh, const kv_t *restrict k, co
     for (int64_t blk = 0; blk < n_blocks; blk++) {
         const int64_t n = n_ctx - blk * BS < BS ? n_ctx - blk * BS : BS;
         const kv_t *kb = k + tab[blk] * BS * D, *vb = v + tab[blk] * BS * D;
+        /* the next block's rows are prefetched meanwhile: after the last, the next unit's first block */
         const int64_t next = tab[blk + 1 < n_blocks ? blk + 1 : blk] * BS * D;
-        const char *nk = (const char *)(k + next), *nv = (const char *)(v + next);
+        const int last = blk + 1 == n_blocks && after_k;
+        const char *nk = (const char *)(last ? after_k : k + next), *nv = (const char *)(last ? after_v : v + next);
         /* scores, 8 keys at a time (keys past n score 0 here; the softmax masks them) */
         for (int64_t t = 0; t < n; t += 8) {
             const int cnt = n - t < 8 ? (int)(n - t) : 8;
@@ -156,8 +160,35 @@ static void attend_head_avx2(const io_t *restrict qh, const kv_t *restrict k, co
         for (int j = 0; j < D; j += 16) store_io(oh + g * D + j, load(acc + g * D + j) * inv);
     }
 }
+/* the units (sequence, KV head) in order, each thread a contiguous run of about equal keys, so each unit's
+   last block prefetches the next unit's first */
+static void attend_units_avx2(const io_t *q, const kv_t *k, const kv_t *v, const int64_t *table,
+                              const int64_t *ctx, io_t *out, int64_t B, int64_t KVH, int64_t NB, int64_t BS,
+                              int64_t MAXB, float scale, int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+        int64_t total = 0, u0 = 0, u1 = 0, seen = 0;
+        for (int64_t b = 0; b < B; b++) total += ctx[b];
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t h = 0; h < KVH; h++, seen += ctx[b]) {
+                if (seen * nt < total * KVH * id) u0 = b * KVH + h + 1;
+                if (seen * nt < total * KVH * (id + 1)) u1 = b * KVH + h + 1;
+            }
+        for (int64_t u = u0; u < u1; u++) {
+            const int64_t b = u / KVH, h = u % KVH;
+            const kv_t *ak = 0, *av = 0;
+            if (u + 1 < u1) {
+                const int64_t nb = (u + 1) / KVH, nh = (u + 1) % KVH, first = table[nb * MAXB] * BS * D;
+                ak = k + nh * NB * BS * D + first;
+                av = v + nh * NB * BS * D + first;
+            }
+            attend_head_avx2(q + u * GROUP * D, k + h * NB * BS * D, v + h * NB * BS * D, table + b * MAXB, ctx[b],
+                             BS, scale, out + u * GROUP * D, ak, av);
+        }
+    }
+}
 #else
-#define ATTEND_HEAD attend_head
 int attention_avx2(void) { return 0; }
 #endif
 """

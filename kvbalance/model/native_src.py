@@ -278,10 +278,14 @@ void paged_decode_attention(const io_t *restrict q, const kv_t *restrict k, cons
     }
 #endif
     (void)use_amx;
+#ifdef AVX2_PATH
+    attend_units_avx2(q, k, v, table, ctx, out, B, KVH, NB, BS, MAXB, scale, nthreads);
+    return;
+#endif
     #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(nthreads)
     for (int64_t b = 0; b < B; b++)
         for (int64_t h = 0; h < KVH; h++)
-            ATTEND_HEAD(q + (b * KVH + h) * GROUP * D, k + h * NB * BS * D, v + h * NB * BS * D, table + b * MAXB,
+            attend_head(q + (b * KVH + h) * GROUP * D, k + h * NB * BS * D, v + h * NB * BS * D, table + b * MAXB,
                         ctx[b], BS, scale, out + (b * KVH + h) * GROUP * D);
 }
 
