@@ -45,12 +45,7 @@ _SOURCE = r"""
 #include <stdint.h>
 
 #define MR 6    /* rows of the micro-kernel */
-#ifndef KC
 #define KC 384  /* most K per slice: a 16-column panel slice of 24 KiB */
-#endif
-#ifndef PF_HINT
-#define PF_HINT _MM_HINT_T0
-#endif
 #define MC 96   /* rows per block: their activation slice stays in L2 */
 
 
@@ -92,7 +87,7 @@ static inline __attribute__((always_inline)) void kernel(
     for (int k = 0; k < kc; k++) {
         __m256 w0 = _mm256_loadu_ps(wp + 16 * k), w1 = _mm256_loadu_ps(wp + 16 * k + 8);
         if (--countdown == 0) { /* one line every `every` K steps, spread over the loop */
-            if (issued < npf) _mm_prefetch((const char *)(pf + 16 * issued++), PF_HINT);
+            if (issued < npf) _mm_prefetch((const char *)(pf + 16 * issued++), _MM_HINT_T0);
             countdown = every;
         }
 #pragma GCC unroll 6
