@@ -13,7 +13,7 @@ This kernel is laid out for 16 ymm registers, per (sequence, KV head) and block 
   is read 8 floats at a time, each chunk meeting up to 8 query heads (one accumulator each). Eight
   keys' partial vectors are then reduced together (two ``hadd`` levels and a cross-lane add) into
   one vector of 8 scores.
-- **Softmax**: online, per block, as the portable kernel (the same code).
+- **Softmax**: online, per block: the portable kernel's ``block_softmax``.
 - **Weighted values**: the output accumulators live in L1 (``acc``) between blocks; within a block,
   2 chunks x up to 4 heads of them (8 registers) run over the block's V rows (in L1/L2 by then), the
   weights broadcast from the score buffer.
@@ -107,20 +107,8 @@ static void attend_head_avx2(const io_t *restrict qh, const kv_t *restrict k, co
             }
         }
         /* online softmax: new running max, rescale what was accumulated, weights e^(s - max) */
-        const int64_t n16 = (n + 15) & ~(int64_t)15;
         for (int g = 0; g < GROUP; g++) {
-            float *sg = s[g];
-            for (int64_t i = n; i < n16; i++) sg[i] = -3.0e38f;
-            vf mv = splat(m[g]);
-            for (int64_t i = 0; i < n16; i += 16) mv = vmax(load(sg + i), mv);
-            const float bm = hmax(mv), c = vexp(splat(m[g] - bm))[0];
-            const vf bmv = splat(bm);
-            for (int64_t i = 0; i < n16; i += 16) store(sg + i, vexp(load(sg + i) - bmv));
-            for (int64_t i = n; i < n16; i++) sg[i] = 0.0f;
-            vf sum = splat(0.0f);
-            for (int64_t i = 0; i < n16; i += 16) sum += load(sg + i);
-            m[g] = bm;
-            l[g] = l[g] * c + hsum(sum);
+            const float c = block_softmax(s[g], n, &m[g], &l[g]);
             if (c != 1.0f)
                 for (int j = 0; j < D; j += 16) store(acc + g * D + j, load(acc + g * D + j) * splat(c));
         }

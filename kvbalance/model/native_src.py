@@ -161,6 +161,25 @@ static inline void from_row_order(const vf *r, float *x) {
 #endif
 }
 
+/* Online softmax over one block's scores sg[0, n) of one query head (sg has room up to n rounded up to
+   16): the running max *m and sum *l move on, the scores become weights e^(s - max) (0 past n); returns
+   the factor that rescales what was accumulated before this block. */
+static inline float block_softmax(float *sg, int64_t n, float *m, float *l) {
+    const int64_t n16 = (n + 15) & ~(int64_t)15;
+    for (int64_t i = n; i < n16; i++) sg[i] = -3.0e38f;
+    vf mv = splat(*m);
+    for (int64_t i = 0; i < n16; i += 16) mv = vmax(load(sg + i), mv);
+    const float bm = hmax(mv), c = vexp(splat(*m - bm))[0];
+    const vf bmv = splat(bm);
+    for (int64_t i = 0; i < n16; i += 16) store(sg + i, vexp(load(sg + i) - bmv));
+    for (int64_t i = n; i < n16; i++) sg[i] = 0.0f;
+    vf sum = splat(0.0f);
+    for (int64_t i = 0; i < n16; i += 16) sum += load(sg + i);
+    *m = bm;
+    *l = *l * c + hsum(sum);
+    return c;
+}
+
 /* One (sequence, KV head): the GROUP queries qh [GROUP, D] against the sequence's n_ctx keys, whose
    blocks tab[] lists; k, v point at this head's [NB, BS, D] cache. */
 static void attend_head(const io_t *restrict qh, const kv_t *restrict k, const kv_t *restrict v,
@@ -209,20 +228,8 @@ static void attend_head(const io_t *restrict qh, const kv_t *restrict k, const k
             }
         }
         /* online softmax: new running max, rescale what was accumulated, weights e^(s - max) */
-        const int64_t n16 = (n + 15) & ~(int64_t)15;
         for (int g = 0; g < GROUP; g++) {
-            float *sg = s[g];
-            for (int64_t i = n; i < n16; i++) sg[i] = -3.0e38f;
-            vf mv = splat(m[g]);
-            for (int64_t i = 0; i < n16; i += 16) mv = vmax(load(sg + i), mv);
-            const float bm = hmax(mv), c = vexp(splat(m[g] - bm))[0];
-            const vf bmv = splat(bm);
-            for (int64_t i = 0; i < n16; i += 16) store(sg + i, vexp(load(sg + i) - bmv));
-            for (int64_t i = n; i < n16; i++) sg[i] = 0.0f;
-            vf sum = splat(0.0f);
-            for (int64_t i = 0; i < n16; i += 16) sum += load(sg + i);
-            m[g] = bm;
-            l[g] = l[g] * c + hsum(sum);
+            const float c = block_softmax(s[g], n, &m[g], &l[g]);
             if (c != 1.0f)
                 for (int j = 0; j < NVEC; j++) acc[g][j] *= splat(c);
         }
