@@ -29,7 +29,8 @@ The same source built with ``-DELEM_F32=1`` serves float32 rows (:func:`library`
 model on the CPU takes it): the residual add is exact, RMSNorm within a few float32 ulps of ``F.rms_norm``
 (its sum of squares is ordered differently), SiLU-and-mul within its exp's ~2e-7, RoPE bit-identical to
 ``apply_rope``. On the AVX2 development machine (Zen 3) a decode step of 64 sequences spent ~45 ms in
-torch's float32 element-wise ops (``F.rms_norm`` alone ~290 us a call at 64 x 576) and ~5 ms with these.
+torch's float32 element-wise ops (``F.rms_norm`` alone ~290 us a call at 64 x 576); with these, the torch ops
+left take ~5 ms (torch.profiler; the kernels' own time is not in that figure: one pass over the rows each).
 
 The library is compiled on first use (:mod:`kvbalance.model.cbuild`); where it is unavailable (no
 compiler, ``KVBALANCE_NATIVE=0``) :func:`library` is None and the model runs its PyTorch code.
