@@ -182,13 +182,7 @@ def _library() -> ctypes.CDLL | None:
     if not _lib:
         with _lock:
             if not _lib:
-                lib = None
-                out = cbuild.build("avx2_gemm", _SOURCE, _FLAGS, remember_failure=True)
-                if out is not None:
-                    try:
-                        lib = ctypes.CDLL(str(out))
-                    except OSError:
-                        lib = None
+                lib = cbuild.load("avx2_gemm", _SOURCE, _FLAGS)
                 if lib is not None:
                     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
                     lib.pack.argtypes = [ptr, i64, i64, ptr]

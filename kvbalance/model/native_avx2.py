@@ -155,14 +155,8 @@ static void attend_units_avx2(const io_t *q, const kv_t *k, const kv_t *v, const
                               int64_t MAXB, float scale, int nthreads) {
     #pragma omp parallel num_threads(nthreads)
     {
-        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-        int64_t total = 0, u0 = 0, u1 = 0, seen = 0;
-        for (int64_t b = 0; b < B; b++) total += ctx[b];
-        for (int64_t b = 0; b < B; b++)
-            for (int64_t h = 0; h < KVH; h++, seen += ctx[b]) {
-                if (seen * nt < total * KVH * id) u0 = b * KVH + h + 1;
-                if (seen * nt < total * KVH * (id + 1)) u1 = b * KVH + h + 1;
-            }
+        int64_t u0, u1;
+        thread_units(ctx, B, KVH, &u0, &u1);
         for (int64_t u = u0; u < u1; u++) {
             const int64_t b = u / KVH, h = u % KVH;
             const kv_t *ak = 0, *av = 0;

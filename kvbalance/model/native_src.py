@@ -161,6 +161,20 @@ static inline void from_row_order(const vf *r, float *x) {
 #endif
 }
 
+/* This OpenMP thread's contiguous run [u0, u1) of the B * KVH (sequence, KV head) units, split so that
+   each thread gets about equal keys */
+static inline void thread_units(const int64_t *ctx, int64_t B, int64_t KVH, int64_t *u0, int64_t *u1) {
+    const int nt = omp_get_num_threads(), id = omp_get_thread_num();
+    int64_t total = 0, seen = 0;
+    *u0 = *u1 = 0;
+    for (int64_t b = 0; b < B; b++) total += ctx[b];
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t h = 0; h < KVH; h++, seen += ctx[b]) {
+            if (seen * nt < total * KVH * id) *u0 = b * KVH + h + 1;
+            if (seen * nt < total * KVH * (id + 1)) *u1 = b * KVH + h + 1;
+        }
+}
+
 /* Online softmax over one block's scores sg[0, n) of one query head (sg has room up to n rounded up to
    16): the running max *m and sum *l move on, the scores become weights e^(s - max) (0 past n); returns
    the factor that rescales what was accumulated before this block. */
@@ -268,14 +282,8 @@ void paged_decode_attention(const io_t *restrict q, const kv_t *restrict k, cons
             amx_configure(); /* tile configuration is per thread */
             /* each thread a contiguous run of (sequence, head) units (about equal keys), so it knows the
                next to prefetch */
-            const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-            int64_t total = 0, u0 = 0, u1 = 0, seen = 0; /* split the units by their keys */
-            for (int64_t b = 0; b < B; b++) total += ctx[b];
-            for (int64_t b = 0; b < B; b++)
-                for (int64_t h = 0; h < KVH; h++, seen += ctx[b]) {
-                    if (seen * nt < total * KVH * id) u0 = b * KVH + h + 1;
-                    if (seen * nt < total * KVH * (id + 1)) u1 = b * KVH + h + 1;
-                }
+            int64_t u0, u1;
+            thread_units(ctx, B, KVH, &u0, &u1);
             const int64_t per_win = BS >= WIN ? 1 : WIN / BS;
             const run_t run = {q, k, v, table, ctx, KVH, NB, BS, MAXB, per_win, u1};
             attend_run_amx(&run, u0, scale, out);
