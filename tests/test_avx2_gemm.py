@@ -111,3 +111,20 @@ def test_packed_linear_takes_it_where_preferred(monkeypatch):
             )
             torch.testing.assert_close(packed.linear(x, layer), ref, atol=1e-5, rtol=1e-5)
             assert bool(calls) == expect_kernel
+
+
+def test_a_weight_runs_through_the_kernel_it_was_packed_for(monkeypatch):
+    """Packed while the kernel was preferred, run after KVBALANCE_NATIVE_GEMM=0 (and the reverse): each
+    packed copy goes to the GEMM whose layout it holds."""
+    layer = torch.nn.Linear(64, 48, bias=False)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        ref = torch.nn.functional.linear(x, layer.weight)
+        for pack_env, run_env in (("1", "0"), ("0", "1")):
+            monkeypatch.setenv("KVBALANCE_NATIVE_GEMM", pack_env)
+            layer.packed_weight, layer.packed_version = (
+                packed._pack(layer.weight),
+                packed._version(layer.weight),
+            )
+            monkeypatch.setenv("KVBALANCE_NATIVE_GEMM", run_env)
+            torch.testing.assert_close(packed.linear(x, layer), ref, atol=1e-5, rtol=1e-5)

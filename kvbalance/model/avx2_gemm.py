@@ -227,6 +227,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     out = torch.empty(packed_size(n, k), dtype=torch.float32)
     lib.pack(w.data_ptr(), n, k, out.data_ptr())
+    out.avx2_panels = True  # packed.py runs a weight through the kernel its packed copy was made for
     return out
 
 

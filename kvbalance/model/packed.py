@@ -82,7 +82,9 @@ def _packed_linear(
     if weight.dtype == torch.bfloat16 and _amx_takes(x, weight, bias):
         return amx_gemm.linear(x, weight, bias)  # few rows: the AMX kernel on the plain weight
     if weight.dtype == torch.float32:
-        if avx2_gemm.preferred():  # its own panels (see _pack)
+        if getattr(
+            packed, "avx2_panels", False
+        ):  # packed by avx2_gemm (see _pack), whatever the env says now
             if x.dtype != torch.float32 or x.device.type != "cpu" or _grad(x, weight, bias):
                 return torch.nn.functional.linear(x, weight, bias)
             return avx2_gemm.linear(x, packed, weight.shape[0], bias)
