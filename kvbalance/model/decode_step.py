@@ -66,8 +66,8 @@ def _caches_ok(layers, shape: torch.Size) -> bool:
 def decode_plan(model, h: torch.Tensor, meta: StepMetadata) -> DecodePlan | None:
     """The step's shared kernel arguments, or None where the step is not an all-decode bf16 CPU step
     that the general path would run through the same native kernels."""
-    if len(meta.groups) != 1 or not fused.supports(h) or meta.cos is None:
-        return None
+    if h.dtype != torch.bfloat16 or len(meta.groups) != 1 or not fused.supports(h) or meta.cos is None:
+        return None  # (the fused kernels take float32 rows too, but this loop's buffers are bf16)
     g = meta.groups[0]
     attn0 = model.layers[0].attn
     k0 = attn0.k_cache
