@@ -135,10 +135,13 @@ def _generate(hf, prompt: list[int], n: int) -> list[int]:
 @needs_bf16
 @pytest.mark.slow
 def test_smollm2_bf16_matches_transformers():
-    """The real model at bf16, 4-token prefill chunks beside decodes: the logit criterion above, and all
-    8 greedy tokens of each prompt equal to transformers' bf16 ``generate`` (and its fp32 one). Measured
-    here: our logit error against fp32 0.46-0.55 vs transformers' bf16 0.55-0.72; top-1/top-2 margins go
-    down to 0.05, so on another CPU a near-tie could flip a late token of one prompt."""
+    """The real model at bf16, 4-token prefill chunks beside decodes: the logit criterion above, and the
+    greedy tokens of each prompt equal to transformers' fp32 ``generate`` up to the first near-tie: a
+    position where fp32's top token leads ours by less than our measured logit error (then the contexts
+    part). Measured on the AMX development CPU: our logit error against fp32 0.46-0.55 vs transformers'
+    bf16 0.55-0.72, all 24 tokens equal to both. On the AMD Zen 4 machine (oneDNN's AVX512-BF16 GEMMs,
+    no AMX) the third prompt's third token is such a tie: fp32 10.903 (token 10054) vs 10.848 (4197), a
+    0.055 margin that ours resolves the other way, transformers' bf16 as fp32 does."""
     from kvbalance.model.weights import cache_dir, load_smollm2
 
     loaded = load_smollm2()
@@ -155,6 +158,15 @@ def test_smollm2_bf16_matches_transformers():
     while any(r.num_output_tokens < NUM_OUT for r in reqs):
         step(ex, [r for r in reqs if r.num_output_tokens < NUM_OUT], blocks, 4, logits)
     _check_against_transformers(reqs, logits, hf32, hf16)
+    compared = 0
     for r in reqs:
-        prompt = list(r.prompt_token_ids)
-        assert r.output_token_ids == _generate(hf16, prompt, NUM_OUT) == _generate(hf32, prompt, NUM_OUT)
+        prompt, ours = list(r.prompt_token_ids), r.output_token_ids
+        ref = _generate(hf32, prompt, NUM_OUT)
+        err = (torch.stack(logits[r.request_id]) - _teacher_forced(hf32, prompt, ours)).abs().max().item()
+        same = next((t for t in range(NUM_OUT) if ours[t] != ref[t]), NUM_OUT)
+        compared += same
+        if same < NUM_OUT:  # fp32's logits at the first difference (same context up to there)
+            at = _teacher_forced(hf32, prompt, ref)[same]
+            margin = (at[ref[same]] - at[ours[same]]).item()
+            assert 0 <= margin < err, (r.request_id, same, margin, err)
+    assert compared >= 2 * NUM_OUT  # at most one prompt parts at a near-tie, and not at its first tokens

@@ -1,7 +1,8 @@
-"""The AMX prefill-attention kernel (kvbalance/model/native_prefill.py) against a float64 reference and
-torch's bf16 SDPA: whole prompts and later chunks, across block and key-block boundaries, GQA groups 1
-and 3; threads; the strided QKV view; the fallbacks (``KVBALANCE_NATIVE_AMX=0``, other dtypes and
-shapes) and the engine's prefill branch taking it."""
+"""The prefill-attention kernel (kvbalance/model/native_prefill.py: AMX, or AVX-512 BF16 where the CPU has
+no AMX) against a float64 reference and torch's bf16 SDPA: whole prompts and later chunks, across block and
+key-block boundaries, GQA groups 1 and 3; threads; the strided QKV view; the fallbacks
+(``KVBALANCE_NATIVE=0``, ``KVBALANCE_NATIVE_AMX=0``, other dtypes and shapes) and the engine's prefill
+branch taking it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch.nn.functional as F
 from kvbalance.model import native_prefill
 from kvbalance.model.llama import Attention, LlamaConfig, build_step_metadata
 
-needs_kernel = pytest.mark.skipif(not native_prefill.available(), reason="no AMX-BF16 or compiler here")
+needs_kernel = pytest.mark.skipif(
+    not native_prefill.available(), reason="no AMX-BF16 or AVX512-BF16, or no compiler here"
+)
 
 
 def _case(seed, n, q_start, block_size, heads, kvh, peaked=False):
@@ -126,7 +129,7 @@ def test_can_use_falls_back_for_other_dtypes_shapes_and_the_switch(monkeypatch):
     k8 = k.view(3, -1, 8, 64)  # blocks of 8 rows: a 16-row tile would cross blocks
     assert not native_prefill.can_use(q, k8, v.view(3, -1, 8, 64))
     assert not native_prefill.can_use(q.transpose(1, 2).contiguous().transpose(1, 2), k, v)
-    monkeypatch.setenv("KVBALANCE_NATIVE_AMX", "0")
+    monkeypatch.setenv("KVBALANCE_NATIVE", "0")
     assert not native_prefill.available() and not native_prefill.can_use(q, k, v)
 
 
@@ -142,7 +145,7 @@ def _attention_layer(seed):
 @pytest.mark.parametrize("q_start", [0, 37])
 def test_the_prefill_branch_takes_the_kernel_and_the_switch_keeps_sdpa(monkeypatch, q_start):
     """``Attention._attend`` on a prefill chunk: the kernel where it can run (output equal to calling it),
-    SDPA under ``KVBALANCE_NATIVE_AMX=0``; both within bf16 rounding of each other."""
+    SDPA under ``KVBALANCE_NATIVE=0``; both within bf16 rounding of each other."""
     layer, n = _attention_layer(6), 40
     table = [7, 2, 9, 0, 5, 11]
     meta = build_step_metadata([q_start], [n], [table], [0], 16, 3, "cpu", torch.bfloat16)
@@ -158,7 +161,7 @@ def test_the_prefill_branch_takes_the_kernel_and_the_switch_keeps_sdpa(monkeypat
         assert calls and torch.equal(
             out, real(q, layer.k_cache, layer.v_cache, g.block_index, q_start, layer.scale)
         )
-    monkeypatch.setenv("KVBALANCE_NATIVE_AMX", "0")
+    monkeypatch.setenv("KVBALANCE_NATIVE", "0")
     calls.clear()
     sdpa = layer._attend(q, g, k_new, v_new)
     assert not calls
@@ -175,3 +178,26 @@ def test_the_kernel_builds_where_the_cpu_has_amx():
     if "amx_bf16" not in flags or cbuild.compiler() is None or not cbuild.native_enabled():
         pytest.skip("no AMX-BF16 or no compiler here")
     assert native_prefill.library() is not None and native_prefill.available()
+
+
+def _cpu_flags() -> set[str]:
+    from pathlib import Path
+
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_the_avx512_kernel_builds_where_the_cpu_has_avx512_bf16_and_runs_without_amx(monkeypatch):
+    """Where the CPU has AVX-512F and AVX512-BF16 the AVX-512 kernel is built and runs; it is the kernel
+    whenever AMX does not run (no AMX, or ``KVBALANCE_NATIVE_AMX=0``)."""
+    from kvbalance.model import cbuild
+
+    if cbuild.compiler() is None or not cbuild.native_enabled():
+        pytest.skip("no compiler here")
+    lib = native_prefill.avx512_library()
+    assert lib is not None and lib.avx512 == ({"avx512f", "avx512_bf16"} <= _cpu_flags())
+    monkeypatch.setenv("KVBALANCE_NATIVE_AMX", "0")
+    assert (native_prefill.library() is lib) == lib.avx512
+    assert native_prefill.available() == lib.avx512

@@ -1,4 +1,7 @@
-"""An AMX flash-attention kernel for one prefill chunk over the paged bfloat16 KV cache (CPU).
+"""Flash-attention kernels for one prefill chunk over the paged bfloat16 KV cache (CPU): AMX, and on CPUs
+with AVX512-BF16 but no AMX (AMD Zen 4) the vector kernel of :mod:`kvbalance.model.native_prefill_avx512`
+(same entry point; ~100-117 vs SDPA's 33-59 GFLOP/s on one Zen 4 core). The rest of this docstring is the
+AMX kernel's.
 
 The chunk's queries ``q`` [n, heads, 64] (bf16, rows of any stride: the view out of the fused QKV
 output) at positions ``q_start .. q_start + n - 1`` attend causally to keys ``0 .. q_start + n - 1``,
@@ -37,8 +40,8 @@ the split, ~45%): the AMX peak here is ~1,100 GFLOP/s on bf16 GEMMs.
 Head dim 64 only (128 would need 8 accumulator tiles of the 8), block size a multiple of 16, any GQA
 group. Units are independent, so with several threads (OpenMP over units) the bits do not change.
 :func:`can_use` is False (callers keep ``scaled_dot_product_attention``) without a compiler, AMX-BF16
-or the kernel's permission for tile data, with ``KVBALANCE_NATIVE_AMX=0`` or ``KVBALANCE_NATIVE=0``,
-and for other dtypes, shapes or devices.
+or the kernel's permission for tile data (and no AVX512-BF16), with ``KVBALANCE_NATIVE=0``, and for
+other dtypes, shapes or devices; ``KVBALANCE_NATIVE_AMX=0`` leaves the AVX-512 kernel where it runs.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import threading
 import torch
 
 from kvbalance.model import cbuild
+from kvbalance.model.native_prefill_avx512 import PREFILL_AVX512_SOURCE
 from kvbalance.model.native_prefill_src import PREFILL_SOURCE as _SOURCE
 
 HEAD_DIM = 64
@@ -60,17 +64,39 @@ _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | None] = {}
 
 
-def library() -> ctypes.CDLL | None:
-    """The compiled kernel (built once, cached), or None where it is disabled or cannot be built."""
-    if "lib" not in _state:
+def _cached(key: str, build) -> ctypes.CDLL | None:
+    if key not in _state:
         with _lock:
-            if "lib" not in _state:
-                _state["lib"] = _build()
-    return _state["lib"]
+            if key not in _state:
+                _state[key] = build()
+    return _state[key]
 
 
-def _build() -> ctypes.CDLL | None:
-    out = cbuild.build("paged_prefill_amx", _SOURCE, _FLAGS, remember_failure=True)
+def amx_library() -> ctypes.CDLL | None:
+    """The AMX kernel (built once, cached; ``.amx``: whether it runs here), or None where it cannot be built."""
+    return _cached("amx", _build_amx)
+
+
+def avx512_library() -> ctypes.CDLL | None:
+    """The AVX-512 BF16 kernel of :mod:`kvbalance.model.native_prefill_avx512` (``.avx512``: whether it
+    runs here), or None where it cannot be built."""
+    return _cached("avx512", _build_avx512)
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernel this process runs: the AMX one where it runs and ``KVBALANCE_NATIVE_AMX`` is not ``0``,
+    else the AVX-512 BF16 one where the CPU has it; None where neither runs or native kernels are off."""
+    if not cbuild.native_enabled():
+        return None
+    if os.environ.get("KVBALANCE_NATIVE_AMX", "1") != "0":
+        lib = amx_library()
+        if lib is not None and lib.amx:
+            return lib
+    lib = avx512_library()
+    return lib if lib is not None and lib.avx512 else None
+
+
+def _load(out) -> ctypes.CDLL | None:
     if out is None:
         return None
     try:
@@ -79,35 +105,33 @@ def _build() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn = lib.paged_prefill_attention
-    fn.argtypes = [
-        ptr,
-        i64,
-        ptr,
-        ptr,
-        ptr,
-        ptr,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        ctypes.c_float,
-        ctypes.c_int,
-    ]
+    # q, q row stride, k, v, table, out, out row stride, n, q_start, heads, kv heads, blocks, block size
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, *[i64] * 7, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
-    lib.amx_available.restype = ctypes.c_int
-    lib.amx = bool(lib.amx_available())  # cpuid says AMX-BF16 and the OS granted tile data
+    return lib
+
+
+def _build_amx() -> ctypes.CDLL | None:
+    lib = _load(cbuild.build("paged_prefill_amx", _SOURCE, _FLAGS, remember_failure=True))
+    if lib is not None:
+        lib.amx_available.restype = ctypes.c_int
+        lib.amx = bool(lib.amx_available())  # cpuid says AMX-BF16 and the OS granted tile data
+        lib.avx512 = False
+    return lib
+
+
+def _build_avx512() -> ctypes.CDLL | None:
+    lib = _load(cbuild.build("paged_prefill_avx512", PREFILL_AVX512_SOURCE))
+    if lib is not None:
+        lib.avx512_bf16_available.restype = ctypes.c_int
+        lib.avx512 = bool(lib.avx512_bf16_available())  # built for AVX512-BF16, and the CPU has it
+        lib.amx = False
     return lib
 
 
 def available() -> bool:
-    """Whether the kernel runs here: native kernels on, ``KVBALANCE_NATIVE_AMX`` not ``0``, built, AMX."""
-    if not cbuild.native_enabled() or os.environ.get("KVBALANCE_NATIVE_AMX", "1") == "0":
-        return False
-    lib = library()
-    return lib is not None and lib.amx
+    """Whether a prefill kernel runs here (see :func:`library`)."""
+    return library() is not None
 
 
 def can_use(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -144,7 +168,9 @@ def paged_prefill_attention(
     cached context -> ``[n, heads * 64]`` bf16 (see the module docstring). ``block_table`` [>= blocks
     of ``q_start + n`` keys] int64 physical block ids (valid ids: the executor checks them)."""
     if not can_use(q, k_cache, v_cache):
-        raise ValueError("q: needs bf16 [n, heads, 64] rows with contiguous heads over bf16 caches, and AMX")
+        raise ValueError(
+            "q: needs bf16 [n, heads, 64] rows with contiguous heads over bf16 caches, and AMX or AVX512-BF16"
+        )
     n, heads, hd = q.shape
     kvh, nb, bs, _ = k_cache.shape
     if q_start < 0 or n < 1:
@@ -171,5 +197,5 @@ def paged_prefill_attention(
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise MemoryError("paged_prefill_attention: could not allocate the V^T scratch")
+        raise MemoryError("paged_prefill_attention: could not allocate the kernel's scratch (V^T or K^T)")
     return out
