@@ -1,7 +1,8 @@
 """Matmuls through pre-packed weights on the CPU: MKL's packed GEMM (float32; on CPUs with AVX2 but no
 AVX-512 the AVX2 kernel of :mod:`kvbalance.model.avx2_gemm` over its own panels instead) and oneDNN's
-blocked layout (bfloat16 on CPUs with native bf16 dot products). :func:`linear` is ``layer(x)`` through the
-layer's packed copy where ``LlamaModel.pack_weights_for_cpu`` made one.
+blocked layout (bfloat16 on CPUs with native bf16 dot products; on those without AMX, e.g. AMD Zen 4, the
+AVX512-BF16 kernel of :mod:`kvbalance.model.avx512_gemm` over its own panels instead). :func:`linear` is
+``layer(x)`` through the layer's packed copy where ``LlamaModel.pack_weights_for_cpu`` made one.
 
 bfloat16 calls of at most :data:`AMX_MAX_ROWS` rows (a decode step's linears and its LM head at up to
 64 sequences) run the AMX kernel of :mod:`kvbalance.model.amx_gemm` instead, where it runs: it
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvbalance.model import amx_gemm, avx2_gemm
+from kvbalance.model import amx_gemm, avx2_gemm, avx512_gemm
 
 PACK_ROWS_HINT = 64  # rows MKL tunes its packed weight layout for (a decode batch)
 # Most rows a bf16 call runs through the AMX kernel. Measured on one shared core (benchmarks/bench_gemm.py
@@ -53,6 +54,8 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
         if avx2_gemm.preferred():
             return avx2_gemm.pack(w)
         return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
+    if avx512_gemm.preferred():
+        return avx512_gemm.pack(w)
     return torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS_HINT)
 
 
@@ -89,6 +92,10 @@ def _packed_linear(
                 return torch.nn.functional.linear(x, weight, bias)
             return avx2_gemm.linear(x, packed, weight.shape[0], bias)
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.numel() // x.shape[-1])
+    if getattr(packed, "avx512_panels", False):  # packed by avx512_gemm (see _pack)
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or _grad(x, weight, bias):
+            return torch.nn.functional.linear(x, weight, bias)
+        return avx512_gemm.linear(x, packed, weight.shape[0], bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
