@@ -154,7 +154,7 @@ static void pack_rows(const uint16_t *x, int64_t ldx, int64_t r0, int mr, int64_
 int gemm(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, uint16_t *y, int64_t ldy,
          int64_t m, int64_t n, int64_t k, int nthreads) {
     const int64_t panels = (n + 31) / 32, k2 = (k + 1) / 2, panel_elems = k2 * 64;
-    const int64_t max_blocks = (MC + MR - 1) / MR;
+    const int64_t max_blocks = ((m < MC ? m : MC) + MR - 1) / MR;
     int32_t *xp = aligned_alloc(64, (size_t)((max_blocks * k2 * MR * 4 + 63) / 64 * 64));
     if (xp == NULL) return -1;
     if (nthreads > panels) nthreads = (int)panels;
