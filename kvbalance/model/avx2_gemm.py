@@ -35,7 +35,7 @@ import threading
 
 import torch
 
-from kvbalance.model import cbuild
+from kvbalance.model import cbuild, panel_gemm
 
 PANEL = 16  # output columns per packed panel
 
@@ -233,33 +233,4 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [..., K] float32 @ W^T (+ ``bias`` [N]) -> [..., N], ``packed`` from :func:`pack` of W [N, K]."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"x: expected a float32 CPU tensor, got {x.dtype} on {x.device}")
-    k = x.shape[-1]
-    if packed.numel() != packed_size(n, k):
-        raise ValueError(f"packed: {packed.numel()} floats do not hold a [{n}, {k}] weight")
-    x2 = x.reshape(-1, k)
-    if k and x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
-    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    if m == 0 or n == 0:
-        return y
-    if k == 0:
-        return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
-    b = None
-    if bias is not None:
-        b = bias.detach().to(torch.float32).contiguous()
-    _library().gemm(
-        x2.data_ptr(),
-        x2.stride(0),
-        packed.data_ptr(),
-        None if b is None else b.data_ptr(),
-        y.data_ptr(),
-        n,
-        m,
-        n,
-        k,
-        torch.get_num_threads(),
-    )
-    return y
+    return panel_gemm.linear(_library().gemm, "avx2_gemm", x, packed, n, packed_size(n, x.shape[-1]), bias)

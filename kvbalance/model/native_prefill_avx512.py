@@ -28,7 +28,10 @@ FlashAttention-2 (Dao 2023) over the paged cache, with the work laid out for 32 
   costliest first), so any thread count gives the same bits.
 """
 
-PREFILL_AVX512_SOURCE = r"""
+from kvbalance.model.native_prefill_src import EXP2_SOURCE
+
+PREFILL_AVX512_SOURCE = (
+    r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -42,19 +45,9 @@ PREFILL_AVX512_SOURCE = r"""
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 int avx512_bf16_available(void) { return __builtin_cpu_supports("avx512bf16"); }
 
-/* 2^x for finite x (very negative x -> 0): the AMX kernel's polynomial */
-static inline __m512 exp2v(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f); /* Taylor, degree 5: 2.4e-6 relative error */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
+"""
+    + EXP2_SOURCE
+    + r"""
 typedef struct {
     const uint16_t *q, *k, *v;
     const int64_t *tab;
@@ -212,3 +205,4 @@ int paged_prefill_attention(const uint16_t *q, int64_t qs, const uint16_t *k, co
 }
 #endif
 """
+)
