@@ -1,4 +1,5 @@
-"""The AMX bf16 GEMM (kvbalance/model/amx_gemm.py) against oneDNN's matmul on SmolLM2-135M's linears.
+"""The AMX bf16 GEMM (kvbalance/model/amx_gemm.py) and, where the CPU has AVX512-BF16, the AVX-512 one
+(kvbalance/model/avx512_gemm.py, column ``AVX512``) against oneDNN's matmul on SmolLM2-135M's linears.
 
 ``layers``: one decode step's 120 layer linears (30 layers x fused QKV [960x576], o [576x576], fused
 gate-up [3072x576], down [576x1536]) with 30 layers of distinct weights (212 MB, so nothing stays in
@@ -27,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvbalance.model import amx_gemm
+from kvbalance.model import amx_gemm, avx512_gemm
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K) of one layer's linears
 LAYERS = 30
@@ -63,7 +64,14 @@ def bench_shapes(shapes: tuple[tuple[int, int], ...], layers: int, rows: tuple[i
     packs = {"oneDNN": [[_onednn_pack(w) for w in ws] for ws in weights], "plain": weights}
     if amx_gemm.available():
         packs["AMX"] = weights
-    calls = {"oneDNN": _onednn, "plain": F.linear, "AMX": amx_gemm.linear}
+    if avx512_gemm.available():  # its packed panels, with N
+        packs["AVX512"] = [[(avx512_gemm.pack(w), w.shape[0]) for w in ws] for ws in weights]
+    calls = {
+        "oneDNN": _onednn,
+        "plain": F.linear,
+        "AMX": amx_gemm.linear,
+        "AVX512": lambda x, pn: avx512_gemm.linear(x, pn[0], pn[1]),
+    }
     weight_bytes = sum(n * k * 2 for n, k in shapes) * layers
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen).bfloat16() for _, k in shapes}
@@ -80,7 +88,11 @@ def bench_shapes(shapes: tuple[tuple[int, int], ...], layers: int, rows: tuple[i
         for name, t in best.items():
             gflops = 2 * m * weight_bytes / 2 / t / 1e9
             cells.append(f"{name} {1e3 * t:7.2f} ms {weight_bytes / t / 1e9:5.1f} GB/s {gflops:5.0f} GFLOP/s")
-        ratio = f"  AMX/oneDNN {best['oneDNN'] / best['AMX']:.2f}x" if "AMX" in best else ""
+        ratio = "".join(
+            f"  {name}/oneDNN {best['oneDNN'] / best[name]:.2f}x"
+            for name in ("AMX", "AVX512")
+            if name in best
+        )
         print(f"M={m:4d}: " + " | ".join(cells) + ratio, flush=True)
 
 
@@ -137,7 +149,7 @@ def main() -> None:
     p.add_argument("--amx-rows", type=int, default=None, help="engine: AMX_MAX_ROWS on the AMX side")
     args = p.parse_args()
     torch.set_num_threads(1)
-    print(f"AMX kernel available: {amx_gemm.available()}")
+    print(f"AMX kernel available: {amx_gemm.available()}; AVX-512 BF16 kernel: {avx512_gemm.available()}")
     if args.what == "engine":
         bench_engine(args.batch, args.context, args.steps, args.amx_rows)
         return
