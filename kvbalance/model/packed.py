@@ -82,20 +82,19 @@ def _amx_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 def _packed_linear(
     x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
+    # each packed copy runs the GEMM whose layout it holds, whatever the environment says now
+    if getattr(packed, "avx512_panels", False):  # packed by avx512_gemm: checked first (no env lookups)
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or _grad(x, weight, bias):
+            return torch.nn.functional.linear(x, weight, bias)
+        return avx512_gemm.linear(x, packed, weight.shape[0], bias)
     if weight.dtype == torch.bfloat16 and _amx_takes(x, weight, bias):
         return amx_gemm.linear(x, weight, bias)  # few rows: the AMX kernel on the plain weight
     if weight.dtype == torch.float32:
-        if getattr(
-            packed, "avx2_panels", False
-        ):  # packed by avx2_gemm (see _pack), whatever the env says now
+        if getattr(packed, "avx2_panels", False):  # packed by avx2_gemm (see _pack)
             if x.dtype != torch.float32 or x.device.type != "cpu" or _grad(x, weight, bias):
                 return torch.nn.functional.linear(x, weight, bias)
             return avx2_gemm.linear(x, packed, weight.shape[0], bias)
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.numel() // x.shape[-1])
-    if getattr(packed, "avx512_panels", False):  # packed by avx512_gemm (see _pack)
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or _grad(x, weight, bias):
-            return torch.nn.functional.linear(x, weight, bias)
-        return avx512_gemm.linear(x, packed, weight.shape[0], bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
