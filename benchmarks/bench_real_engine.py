@@ -409,10 +409,11 @@ def main(argv: list[str] | None = None) -> int:
         lengths = load_lengths(trace, wl, args.num_requests, args.max_input, args.max_output)
         prompts, outputs = make_prompts(lengths), [o for _, o in lengths]
         flops = matmul_flops(config, prompts, outputs)
-        roof = {  # output tok/s at the roofline (roofline.py) per (dtype, threads)
+        roof = {  # output tok/s at the roofline (roofline.py) per (dtype, threads), in wall time: the GEMM
+            # probe gives GFLOP/s per CPU second, so t threads compute t times that per wall second
             (d, t): sum(outputs)
             / roofline_seconds(
-                config, lengths, read_gbs[t], gemm[d, t], *(2, 2) if d == "bfloat16" else (4, 4)
+                config, lengths, read_gbs[t], t * gemm[d, t], *(2, 2) if d == "bfloat16" else (4, 4)
             )["total_s"]
             for (d, t) in gemm
         }
