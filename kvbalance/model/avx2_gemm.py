@@ -29,10 +29,6 @@ kernels) unless ``KVBALANCE_NATIVE_GEMM`` says ``0`` (never) or ``1`` (wherever 
 
 from __future__ import annotations
 
-import ctypes
-import os
-import threading
-
 import torch
 
 from kvbalance.model import cbuild, panel_gemm
@@ -137,8 +133,8 @@ static void kernel_rows(int mr, const float *x, int64_t ldx, const float *wp, in
     }
 }
 
-/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T (+ bias [n]); wp from pack() */
-void gemm(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy, int64_t m,
+/* y [m, n] (row stride ldy) = x [m, k] (row stride ldx) @ W^T (+ bias [n]); wp from pack(); returns 0 */
+int gemm(const float *x, int64_t ldx, const float *wp, const float *bias, float *y, int64_t ldy, int64_t m,
           int64_t n, int64_t k, int nthreads) {
     int64_t panels = (n + 15) / 16;
     int64_t slices = (k + KC - 1) / KC;
@@ -170,67 +166,37 @@ void gemm(const float *x, int64_t ldx, const float *wp, const float *bias, float
             }
         }
     }
+    return 0;
 }
 """
 # without -funroll-loops: unrolling the K loop on top of the 12 FMAs per step measured 30-40% slower
 _FLAGS = (*(f for f in cbuild.DEFAULT_FLAGS if f != "-funroll-loops"), "-mavx2", "-mfma")
-_lock = threading.Lock()
-_lib: list[ctypes.CDLL | None] = []
-
-
-def _library() -> ctypes.CDLL | None:
-    if not _lib:
-        with _lock:
-            if not _lib:
-                lib = cbuild.load("avx2_gemm", _SOURCE, _FLAGS)
-                if lib is not None:
-                    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-                    lib.pack.argtypes = [ptr, i64, i64, ptr]
-                    lib.pack.restype = None
-                    lib.gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
-                    lib.gemm.restype = None
-                    lib.ok = bool(lib.cpu_ok())
-                    lib.avx512 = bool(lib.cpu_avx512())
-                _lib.append(lib)
-    return _lib[0]
-
-
-def available() -> bool:
-    """Whether the kernel runs here: the CPU has AVX2 and FMA, native kernels are on and it builds."""
-    if not cbuild.native_enabled() or os.environ.get("KVBALANCE_NATIVE_GEMM") == "0":
-        return False
-    lib = _library()
-    return lib is not None and lib.ok
-
-
-def preferred() -> bool:
-    """Whether float32 linears take this kernel over MKL here (see the module docstring)."""
-    if not available():
-        return False
-    return os.environ.get("KVBALANCE_NATIVE_GEMM") == "1" or not _library().avx512
 
 
 def packed_size(n: int, k: int) -> int:
     return (n + PANEL - 1) // PANEL * k * PANEL
 
 
+_KERNEL = panel_gemm.PanelGemm(
+    "avx2_gemm", _SOURCE, _FLAGS, torch.float32, packed_size, "avx2_panels", "cpu_avx512"
+)
+
+
+def available() -> bool:
+    """Whether the kernel runs here: the CPU has AVX2 and FMA, native kernels are on and it builds."""
+    return _KERNEL.available()
+
+
+def preferred() -> bool:
+    """Whether float32 linears take this kernel over MKL here (see the module docstring)."""
+    return _KERNEL.preferred()
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] float32 -> the packed panels (a 1-D float32 tensor, :func:`packed_size` long)."""
-    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.device.type != "cpu":
-        raise ValueError(
-            f"weight: expected a 2-D float32 CPU tensor, got {tuple(weight.shape)} {weight.dtype}"
-        )
-    lib = _library()
-    if lib is None or not lib.ok:
-        raise RuntimeError("avx2_gemm: not available on this machine (available() is False)")
-    w = weight.detach().contiguous()
-    n, k = w.shape
-    out = torch.empty(packed_size(n, k), dtype=torch.float32)
-    lib.pack(w.data_ptr(), n, k, out.data_ptr())
-    out.avx2_panels = True  # packed.py runs a weight through the kernel its packed copy was made for
-    return out
+    """``weight`` [N, K] float32 -> the packed panels (1-D, :func:`packed_size` values)."""
+    return _KERNEL.pack(weight)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` [..., K] float32 @ W^T (+ ``bias`` [N]) -> [..., N], ``packed`` from :func:`pack` of W [N, K]."""
-    return panel_gemm.linear(_library().gemm, "avx2_gemm", x, packed, n, packed_size(n, x.shape[-1]), bias)
+    """``x`` [..., K] @ W^T (+ ``bias`` [N]) -> [..., N] float32, ``packed`` from :func:`pack` of W [N, K]."""
+    return _KERNEL.linear(x, packed, n, bias)

@@ -2,8 +2,9 @@
 
 On such CPUs (AMD Zen 4/5) torch's bf16 linears go through oneDNN's AVX512-BF16 kernels. Measured on the
 AMD EPYC (Zen 4) development machine, one thread, SmolLM2-135M's decode-step linears with cold weights
-(``benchmarks/bench_gemm.py layers``): oneDNN on its pre-packed weight 173 GFLOP/s at 51 rows, 178 at 64,
-204 at 512, against ~231 of ``vdpbf16ps`` with everything in registers.
+(``benchmarks/bench_gemm.py layers``, column ``AVX512``): oneDNN on its pre-packed weight 173-191 GFLOP/s
+at 51-64 rows, this kernel 196-211 (1.05-1.10x; the LM head 1.10-1.12x), 1.2-1.3x at 1-12 rows (memory
+bound), a tie at 512; ~231 GFLOP/s of ``vdpbf16ps`` with everything in registers.
 
 - **Layout**: the weight ``[N, K]`` is packed once into panels of 32 output columns, each ``[K/2][32][2]``
   (pairs of consecutive K values of a column side by side: the operand order of ``vdpbf16ps``), the last
@@ -27,10 +28,6 @@ or ``1`` (wherever it runs).
 """
 
 from __future__ import annotations
-
-import ctypes
-import os
-import threading
 
 import torch
 
@@ -194,63 +191,32 @@ int gemm(const uint16_t *x, int64_t ldx, const uint16_t *wp, const float *bias, 
 """
 # without -funroll-loops (as avx2_gemm: unrolling the K loop on top of the unrolled rows measured slower)
 _FLAGS = tuple(f for f in cbuild.DEFAULT_FLAGS if f != "-funroll-loops")
-_lock = threading.Lock()
-_lib: list[ctypes.CDLL | None] = []
-
-
-def _library() -> ctypes.CDLL | None:
-    if not _lib:
-        with _lock:
-            if not _lib:
-                lib = cbuild.load("avx512_gemm", _SOURCE, _FLAGS)
-                if lib is not None:
-                    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-                    lib.pack.argtypes = [ptr, i64, i64, ptr]
-                    lib.pack.restype = None
-                    lib.gemm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
-                    lib.gemm.restype = ctypes.c_int
-                    lib.ok = bool(lib.cpu_ok())
-                    lib.amx = bool(lib.cpu_amx())
-                _lib.append(lib)
-    return _lib[0]
-
-
-def available() -> bool:
-    """Whether the kernel runs here: the CPU has AVX512-BF16, native kernels are on and it builds."""
-    if not cbuild.native_enabled() or os.environ.get("KVBALANCE_NATIVE_GEMM") == "0":
-        return False
-    lib = _library()
-    return lib is not None and lib.ok
-
-
-def preferred() -> bool:
-    """Whether bf16 linears take this kernel over oneDNN here (see the module docstring)."""
-    if not available():
-        return False
-    return os.environ.get("KVBALANCE_NATIVE_GEMM") == "1" or not _library().amx
 
 
 def packed_size(n: int, k: int) -> int:
     return (n + PANEL - 1) // PANEL * ((k + 1) // 2) * 2 * PANEL
 
 
+_KERNEL = panel_gemm.PanelGemm(
+    "avx512_gemm", _SOURCE, _FLAGS, torch.bfloat16, packed_size, "avx512_panels", "cpu_amx"
+)
+
+
+def available() -> bool:
+    """Whether the kernel runs here: the CPU has AVX512-BF16, native kernels are on and it builds."""
+    return _KERNEL.available()
+
+
+def preferred() -> bool:
+    """Whether bf16 linears take this kernel over oneDNN here (see the module docstring)."""
+    return _KERNEL.preferred()
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] bf16 -> the packed panels (a 1-D bf16 tensor, :func:`packed_size` long)."""
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.device.type != "cpu":
-        raise ValueError(
-            f"weight: expected a 2-D bfloat16 CPU tensor, got {tuple(weight.shape)} {weight.dtype}"
-        )
-    lib = _library()
-    if lib is None or not lib.ok:
-        raise RuntimeError("avx512_gemm: not available on this machine (available() is False)")
-    w = weight.detach().contiguous()
-    n, k = w.shape
-    out = torch.empty(packed_size(n, k), dtype=torch.bfloat16)
-    lib.pack(w.data_ptr(), n, k, out.data_ptr())
-    out.avx512_panels = True  # packed.py runs a weight through the kernel its packed copy was made for
-    return out
+    """``weight`` [N, K] bfloat16 -> the packed panels (1-D, :func:`packed_size` values)."""
+    return _KERNEL.pack(weight)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` [..., K] bf16 @ W^T (+ ``bias`` [N]) -> [..., N] bf16, ``packed`` from :func:`pack` of W [N, K]."""
-    return panel_gemm.linear(_library().gemm, "avx512_gemm", x, packed, n, packed_size(n, x.shape[-1]), bias)
+    """``x`` [..., K] @ W^T (+ ``bias`` [N]) -> [..., N] bfloat16, ``packed`` from :func:`pack` of W [N, K]."""
+    return _KERNEL.linear(x, packed, n, bias)

@@ -43,7 +43,10 @@ PREFILL_AVX512_SOURCE = (
 #define QR 6      /* rows (position, query head) per tile */
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-int avx512_bf16_available(void) { return __builtin_cpu_supports("avx512bf16"); }
+int avx512_bf16_available(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+}
 
 """
     + EXP2_SOURCE
