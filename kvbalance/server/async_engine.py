@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvbalance.request import SamplingParams
+from kvbalance.server.backend import as_backend
 from kvbalance.server.engine_thread import EngineThread
 from kvbalance.server.metrics import ServerMetrics
 from kvbalance.server.streams import EngineStopped, Overloaded, RequestStream, StreamOutput
@@ -38,7 +39,8 @@ DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN = 32  # text longer than this x the context c
 
 
 class AsyncEngine(EngineThread):
-    """Continuous batching of concurrent asyncio callers over one ``LLMEngine`` on one thread.
+    """Continuous batching of concurrent asyncio callers over one ``LLMEngine`` (or another
+    ``server.backend.Backend``, e.g. a cluster of instances) on one thread.
 
     ``max_queue`` bounds requests waiting or running (more: Overloaded); ``max_prompt_chars`` bounds the
     text handed to the tokenizer (default: 32 characters per token of context).
@@ -47,8 +49,9 @@ class AsyncEngine(EngineThread):
     def __init__(self, engine, max_queue: int = 256, max_prompt_chars: int | None = None) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ValueError(f"max_queue: must be an int >= 1, got {max_queue!r}")
+        engine = as_backend(engine)
         if max_prompt_chars is None:
-            max_prompt_chars = DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN * engine.instance.max_context
+            max_prompt_chars = DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN * engine.max_context
         if (
             isinstance(max_prompt_chars, bool)
             or not isinstance(max_prompt_chars, int)
@@ -81,11 +84,11 @@ class AsyncEngine(EngineThread):
 
     @property
     def max_context(self) -> int:
-        return self.engine.instance.max_context
+        return self.engine.max_context
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.config.vocab_size
+        return self.engine.vocab_size
 
     @property
     def num_in_flight(self) -> int:

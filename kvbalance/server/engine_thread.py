@@ -1,6 +1,6 @@
 """The engine-thread half of ``AsyncEngine``: the step loop and everything it does between steps.
 
-Only this thread calls into ``LLMEngine`` (add, abort, step), so the scheduler and KV cache see one thread.
+Only this thread calls into the backend (``server.backend``: an ``LLMEngine`` or a cluster; add, abort, step), so the scheduler and KV cache see one thread.
 It applies queued commands (add, abort, fail all), steps, accounts each output in the metrics, publishes
 the engine's ``InstanceLoad`` and only then sends outputs back, so a client that has its answer also sees
 it in ``/metrics``.
@@ -45,7 +45,7 @@ class EngineThread:
             for cmd in commands:
                 self._apply(cmd)
             if eng.has_unfinished():
-                steps_before = eng.instance.num_steps
+                steps_before = eng.num_steps
                 try:
                     outputs = eng.step()
                 except Exception as exc:  # a broken step must not hang every caller
@@ -57,7 +57,7 @@ class EngineThread:
                 self._publish_state()  # before the outputs go out: a client that got its answer sees it
                 for stream, item in sends:
                     self._send(stream, item)
-                if eng.instance.num_steps == steps_before and eng.has_unfinished():
+                if eng.num_steps == steps_before and eng.has_unfinished():
                     with self._cond:  # nothing schedulable right now: do not spin
                         self._cond.wait(0.005)
             else:
@@ -105,7 +105,7 @@ class EngineThread:
 
     def _room(self, num_prompt_tokens: int) -> int:
         """Largest output budget the context and the whole KV cache leave a prompt (may be < 1)."""
-        capacity = self.engine.instance.kv_capacity_tokens
+        capacity = self.engine.kv_capacity_tokens
         return min(self.max_context - num_prompt_tokens, capacity - num_prompt_tokens + 1)
 
     def _dispatch(self, outputs) -> list[tuple[RequestStream, StreamOutput]]:
@@ -182,4 +182,4 @@ class EngineThread:
             pass
 
     def _publish_state(self) -> None:
-        self.metrics.set_engine_state(self.engine.instance.load(), self.engine.executor.block_size)
+        self.metrics.set_engine_state(self.engine.load(), self.engine.block_size)
