@@ -104,6 +104,9 @@ class LLMEngine:
     ``cpu_cores`` (e.g. ``"0"``, ``"0-3"``) binds the engine's process to those cores, as vLLM-cpu's
     ``VLLM_CPU_OMP_THREADS_BIND`` does (one thread per core unless ``num_threads`` is given): a bound
     thread keeps its caches; see ``executor.cpu_affinity`` for what it measured.
+
+    ``connector`` (a ``kvcache.connector.KVConnector``, default none) is the KV connector's scheduler half,
+    for KV that comes from or goes to outside (a cluster's P/D hand-off or global store).
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class LLMEngine:
         cpu_cores: str | None = None,
         seed: int = 0,
         max_model_len: int | None = None,
+        connector=None,
     ) -> None:
         from kvbalance.executor.torch import TorchExecutor, resolve_dtype
         from kvbalance.model.weights import load_model
@@ -162,7 +166,7 @@ class LLMEngine:
             enable_prefix_caching=enable_prefix_caching,
             max_context=max_ctx,
         )
-        self.instance = build_instance(icfg, self.executor)
+        self.instance = build_instance(icfg, self.executor, connector)
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, Detokenizer] = {}
