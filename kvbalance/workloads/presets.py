@@ -14,6 +14,9 @@
   reject, never dropped here).
 - ``prefix:G:K:A-B:C-D``: G groups each sharing a K-token system prompt (group drawn uniformly), a unique
   question of A..B tokens, output C..D.
+- ``docqa:...``, ``chat:...`` (shared documents, multi-turn conversations: ``workloads/reuse.py``) and
+  ``phases:...``, ``bursts:...`` (mix or rate changing over time: ``workloads/phases.py``), and their named
+  presets (``docqa-zipf``, ``chat``, ``phases-15``, ...).
 - ``mooncake:PATH`` (or ``mooncake`` for the shared trace), ``azure:PATH``, ``trace:PATH`` (CSV/JSONL; a
   ShareGPT lengths CSV works too): the trace's own arrival times times ``time_scale`` (``rate`` is used only
   when the trace has no times), in arrival order, the first ``num_requests`` (None = all).
@@ -30,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from kvbalance.request import Request, SamplingParams
+from kvbalance.workloads import phases, reuse
 from kvbalance.workloads.arrivals import arrival_times
 from kvbalance.workloads.lengths import (
     Fixed,
@@ -52,6 +56,8 @@ MOONCAKE_TRACE = "mooncake_conversation_trace.jsonl"
 NATURAL_MAX_CONTEXT = {"sharegpt": 2048, "alpaca": 2048, "longbench": 32768}
 SYNTHETIC = ("sharegpt", "sharegpt-trace", "alpaca", "longbench", "uniform", "fixed", "prefix")
 TRACES = ("mooncake", "azure", "trace")
+# workload families in their own modules: kind or preset name -> module with parse / lengths / build
+FAMILIES = {name: mod for mod in (reuse, phases) for name in (*mod.KINDS, *mod.PRESETS)}
 
 
 def default_traces_dir() -> Path:
@@ -69,6 +75,8 @@ class WorkloadSpec:
     kind: str
     params: tuple[int, ...] = ()
     path: Path | None = None
+    options: object = None  # a FAMILIES workload's parsed options
+    text: str = ""  # the workload string (FAMILIES workloads, for their error messages)
 
 
 def _range(workload: str, text: str, what: str) -> tuple[int, int]:
@@ -87,6 +95,8 @@ def parse_workload(workload: str) -> WorkloadSpec:
     if not isinstance(workload, str) or not workload:
         raise ValueError(f"workload: expected a non-empty string, got {workload!r}")
     kind, _, rest = workload.partition(":")
+    if kind in FAMILIES:
+        return WorkloadSpec(kind, options=FAMILIES[kind].parse(workload), text=workload)
     if kind in ("sharegpt", "sharegpt-trace", "alpaca", "longbench"):
         if rest:
             raise ValueError(f"workload: {kind!r} takes no parameters, got {workload!r}")
@@ -127,7 +137,9 @@ def parse_workload(workload: str) -> WorkloadSpec:
         return WorkloadSpec(kind, path=Path(rest))
     raise ValueError(
         f"workload: unknown workload {workload!r}; expected sharegpt, sharegpt-trace, alpaca, longbench, "
-        "uniform:A-B:C-D, fixed:S:O, prefix:G:K:A-B:C-D, mooncake:PATH, azure:PATH or trace:PATH"
+        "uniform:A-B:C-D, fixed:S:O, prefix:G:K:A-B:C-D, docqa:..., chat:..., phases:..., bursts:... (or a preset: "
+        f"{', '.join(n for n in FAMILIES if n not in ('docqa', 'chat', 'phases', 'bursts'))}), mooncake:PATH, "
+        "azure:PATH or trace:PATH"
     )
 
 
@@ -176,6 +188,8 @@ def length_model(spec: WorkloadSpec, max_context: int | None = None) -> JointLen
     if max_context is None:
         max_context = NATURAL_MAX_CONTEXT.get(kind, 1 << 20)
     cap = _check_max_context(max_context)
+    if spec.options is not None:
+        return FAMILIES[kind].lengths(spec.options, cap)
     if kind == "sharegpt":
         # fitted at the paper's 2048 filter so the clipped means are 161 / 338; medians are unaffected
         top = SHAREGPT_FILTER_TOKENS - 1
@@ -271,6 +285,12 @@ def build_requests(
     spec = parse_workload(workload)
     _check_args(num_requests, rate, time_scale)
     cap = _check_max_context(max_context)
+    if spec.options is not None:
+        if num_requests is None:
+            raise ValueError(f"num_requests: the synthetic workload {workload!r} needs a count, got None")
+        return FAMILIES[spec.kind].build(
+            spec.options, workload, num_requests, rate, seed, cap, arrival, cv, uid_offset=uid_offset
+        )
     len_seq, arr_seq, prompt_seq = np.random.SeedSequence(seed).spawn(3)
     len_rng, arr_rng, prompt_rng = (np.random.default_rng(s) for s in (len_seq, arr_seq, prompt_seq))
 
