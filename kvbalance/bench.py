@@ -182,12 +182,14 @@ def run_bench(
     show_progress: bool = True,
     max_retries_429: int = 3,
     max_retry_wait_s: float = 10.0,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """Benchmark ``base_url`` with ``num_requests`` requests of ``workload`` arriving at ``rate`` req/s.
 
     ``max_context`` caps prompt + output (lowered to the server's ``max_model_len`` when it reports one);
     ``vocab_size`` defaults to the server's (else 32000). ``timeout_s`` bounds the whole run; requests
-    still unanswered then count as aborted. Writes ``summary.json`` and ``requests.csv`` to ``out_dir``.
+    still unanswered then count as aborted. ``api_key`` is sent as ``Authorization: Bearer`` on every
+    request. Writes ``summary.json`` and ``requests.csv`` to ``out_dir``.
     """
     if not isinstance(num_requests, int) or isinstance(num_requests, bool) or num_requests < 1:
         raise ValueError(f"num_requests: must be an int >= 1, got {num_requests!r}")
@@ -214,6 +216,7 @@ def run_bench(
             request_timeout_s or timeout_s,
             show_progress,
             RetryPolicy(max_retries_429, max_retry_wait_s),
+            api_key,
         )
     )
 
@@ -232,6 +235,7 @@ async def _bench(
     req_timeout_s,
     show,
     retry,
+    api_key=None,
 ) -> dict[str, Any]:
     import httpx
 
@@ -239,7 +243,9 @@ async def _bench(
     from kvbalance.workloads.presets import build_requests
 
     limits = httpx.Limits(max_connections=num_requests, max_keepalive_connections=num_requests)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(req_timeout_s, connect=10.0), limits=limits) as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    timeout = httpx.Timeout(req_timeout_s, connect=10.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         info = await _server_info(client, base_url)
         model = model or info.model
         if model is None:

@@ -107,3 +107,12 @@ def test_bench_without_retries_counts_429_as_rejected():
         summary = run_bench(url, 3, math.inf, "fixed:8:4", seed=0, show_progress=False, max_retries_429=0)
     assert summary["completed"] + summary["rejected"] == 3 and summary["rejected"] >= 1
     assert any(f.startswith("http 429") for f in summary["failures"])
+
+
+def test_bench_sends_the_api_key_a_keyed_server_needs():
+    engine = make_engine()
+    with live_server(engine, api_key="s3cret") as url:
+        keyed = run_bench(url, 2, math.inf, "fixed:8:4", seed=0, show_progress=False, api_key="s3cret")
+        keyless = run_bench(url, 2, math.inf, "fixed:8:4", seed=0, show_progress=False, model="m")
+    assert keyed["completed"] == 2 and keyed["rejected"] == 0
+    assert keyless["completed"] == 0 and any("401" in f for f in keyless["failures"])

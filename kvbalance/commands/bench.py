@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 from kvbalance.commands._util import parse_rate
 
@@ -18,6 +19,11 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVBALANCE_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $KVBALANCE_API_KEY)",
+    )
 
 
 def run(args) -> int:
@@ -32,6 +38,7 @@ def run(args) -> int:
         model=args.model,
         max_context=args.max_context,
         out_dir=args.out,
+        api_key=args.api_key,
     )
     print(json.dumps(summary, indent=2, sort_keys=True))
     return 0
