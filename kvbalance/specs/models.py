@@ -153,6 +153,10 @@ _MODEL_LIST = [
     _llama("llama-2-13b", "meta-llama/Llama-2-13b-hf", num_layers=40, hidden_size=5120, num_heads=40,
            num_kv_heads=40, intermediate_size=13824, vocab_size=32000, max_context=4096, rms_norm_eps=1e-5,
            bos_token_id=1, eos_token_id=2),
+    # Llama-2-70B: meta-llama/Llama-2-70b-hf config.json (GQA: 8 KV heads; Vidur's reference model).
+    _llama("llama-2-70b", "meta-llama/Llama-2-70b-hf", num_layers=80, hidden_size=8192, num_heads=64,
+           num_kv_heads=8, intermediate_size=28672, vocab_size=32000, max_context=4096, rms_norm_eps=1e-5,
+           bos_token_id=1, eos_token_id=2),
     # OPT-13B: facebook/opt-13b config.json (ffn_dim 20480, max_position_embeddings 2048, tied head,
     # enable_bias true, do_layer_norm_before true).
     ModelSpec(name="opt-13b", hf_id="facebook/opt-13b", arch="opt", num_layers=40, hidden_size=5120,
