@@ -22,6 +22,32 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_MAX_NUM_SEQS = 256
 
 
+def encode_prompt(tokenizer, vocab_size: int, prompt: str | Sequence[int]) -> list[int]:
+    """Token ids of a text prompt (through ``tokenizer``) or of token ids (checked against the vocabulary)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt: this model has random weights and no tokenizer; pass token ids")
+        return list(tokenizer.encode(prompt))
+    ids = [int(t) for t in prompt]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    return ids
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat ``messages`` through the tokenizer's chat template (generation prompt added)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: this model has no chat template")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}]: needs 'role' and 'content'")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 class RequestOutput:
     """One request's progress after a step: the new tokens and text since the previous output.
 
@@ -180,28 +206,10 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model has random weights and no tokenizer; pass token ids")
-            return list(self.tokenizer.encode(prompt))
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})"
-            )
-        return ids
+        return encode_prompt(self.tokenizer, self.config.vocab_size, prompt)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: this model has no chat template")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}]: needs 'role' and 'content'")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def add_request(
         self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None
