@@ -3,18 +3,28 @@
 ``AsyncEngine``'s engine thread is the only caller. A backend tokenises (``encode``, ``chat_prompt``),
 queues and aborts requests by id, and ``step()`` advances it and returns the ``RequestOutput`` of every
 request that produced something (a step of one engine; for a cluster, whatever its instances reported
-since the last call). ``load()`` is the ``InstanceLoad`` the ``/metrics`` gauges mirror (a cluster sums
-its instances'). :class:`EngineBackend` adapts an ``LLMEngine``; ``kvbalance.raycluster.backend`` is the
-cluster's.
+since the last call), or a :class:`RequestFailed` for a request that ended with an error of its own (a
+cluster instance died after it had streamed tokens: the client gets that error). ``load()`` is the
+``InstanceLoad`` the ``/metrics`` gauges mirror (a cluster sums its instances'). :class:`EngineBackend`
+adapts an ``LLMEngine``; ``kvbalance.raycluster.backend`` is the cluster's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from kvbalance.engine import InstanceLoad
 from kvbalance.request import Request, SamplingParams
+
+
+@dataclass
+class RequestFailed:
+    """``step()``'s item for one request that cannot go on; the engine thread ends its stream with ``error``."""
+
+    request_id: str
+    error: BaseException
 
 
 @runtime_checkable

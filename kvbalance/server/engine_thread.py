@@ -14,6 +14,7 @@ import threading
 from collections import deque
 
 from kvbalance.request import RequestState, SamplingParams
+from kvbalance.server.backend import RequestFailed
 from kvbalance.server.metrics import ServerMetrics
 from kvbalance.server.streams import EngineStopped, Rejected, RequestStream, StreamOutput
 
@@ -108,10 +109,18 @@ class EngineThread:
         capacity = self.engine.kv_capacity_tokens
         return min(self.max_context - num_prompt_tokens, capacity - num_prompt_tokens + 1)
 
-    def _dispatch(self, outputs) -> list[tuple[RequestStream, StreamOutput]]:
+    def _dispatch(self, outputs) -> list[tuple[RequestStream, StreamOutput | BaseException]]:
         """Account for a step's outputs; returns what to send to whom."""
         sends = []
         for out in outputs:
+            if isinstance(out, RequestFailed):
+                with self._cond:
+                    stream = self._streams.pop(out.request_id, None)
+                if stream is not None:
+                    self._forget(out.request_id)
+                    self.metrics.request_done("error")
+                    sends.append((stream, out.error))
+                continue
             with self._cond:
                 stream = self._streams.get(out.request_id)
                 if stream is not None and out.finished:
