@@ -31,9 +31,12 @@ from kvbalance.specs import get_link, get_model
 class InstanceGroup(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["colocated", "prefill", "decode"] = "colocated"
-    count: int = Field(1, ge=1)
-    tp: int = Field(1, ge=1)
+    role: Literal["colocated", "prefill", "decode"] = Field(
+        "colocated",
+        description="what the group's instances run: whole requests, prompts only, or decodes only",
+    )
+    count: int = Field(1, ge=1, description="instances in the group")
+    tp: int = Field(1, ge=1, description="tensor-parallel degree of each instance (GPUs per instance)")
 
 
 class StoreSection(BaseModel):
@@ -41,11 +44,11 @@ class StoreSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    capacity_gb: float = Field(512.0, gt=0)
-    link: str = "pcie4"
-    high_watermark: float = Field(0.95, gt=0, le=1)
-    eviction_ratio: float = Field(0.05, gt=0, le=1)
-    layerwise_overlap: bool = True
+    capacity_gb: float = Field(512.0, gt=0, description="host memory of the store, GB")
+    link: str = Field("pcie4", description="link between a GPU and the store (kvbalance.specs links)")
+    high_watermark: float = Field(0.95, gt=0, le=1, description="occupancy that starts eviction")
+    eviction_ratio: float = Field(0.05, gt=0, le=1, description="share of the capacity one eviction frees")
+    layerwise_overlap: bool = Field(True, description="fetch and store layer by layer under the compute")
 
     def to_store_config(self) -> StoreConfig:
         return StoreConfig(
@@ -60,16 +63,26 @@ class StoreSection(BaseModel):
 class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    instances: list[InstanceGroup] = Field(default_factory=lambda: [InstanceGroup()])
-    gpus_per_node: int = Field(8, ge=1)
-    inter_node_link: str = "net-200g"
-    router: str = "least_loaded"
-    router_options: dict[str, Any] = Field(default_factory=dict)
-    decode_router: str = "least_loaded"
-    layerwise_transfer: bool = True
-    store: StoreSection | None = None
-    migration: MigrationSection | None = None  # BanaServe's adaptive migration (cluster/adaptive.py)
-    llumnix: LlumnixSection | None = None  # Llumnix's request-level live migration (cluster/llumnix.py)
+    instances: list[InstanceGroup] = Field(
+        default_factory=lambda: [InstanceGroup()], description="groups of instances; GPUs are taken in order"
+    )
+    gpus_per_node: int = Field(
+        8, ge=1, description="GPUs per node (NVLink inside, `inter_node_link` between)"
+    )
+    inter_node_link: str = Field("net-200g", description="network between nodes (kvbalance.specs links)")
+    router: str = Field("least_loaded", description="router of new requests (kvbalance.cluster.routers)")
+    router_options: dict[str, Any] = Field(default_factory=dict, description="keyword options of the router")
+    decode_router: str = Field("least_loaded", description="P/D: router that picks the decode instance")
+    layerwise_transfer: bool = Field(True, description="P/D: send KV layer by layer under the prefill")
+    store: StoreSection | None = Field(None, description="the global KV store (off when absent)")
+    # BanaServe's adaptive migration (cluster/adaptive.py)
+    migration: MigrationSection | None = Field(
+        None, description="BanaServe's adaptive migration (off when absent)"
+    )
+    # Llumnix's request-level live migration (cluster/llumnix.py)
+    llumnix: LlumnixSection | None = Field(
+        None, description="Llumnix's live request migration (off when absent)"
+    )
 
     @field_validator("router", "decode_router")
     @classmethod
@@ -148,6 +161,10 @@ def run_cluster(
     hot = run.hot_spot_ratio()
     store = cluster.store
     live = summarize_migrations(cluster.llumnix.migrator.log if cluster.llumnix is not None else [])
+    rates = cluster.hit_rates()
+    scheds = [i.scheduler for i in insts]
+    d_hit = cluster.pd.decode_hit_tokens if cluster.pd else 0
+    d_adm = cluster.pd.decode_admitted_tokens if cluster.pd else 0
     summary = summarize(
         requests,
         kv_capacity_tokens=sum(i.kv_capacity_tokens for i in insts),
@@ -155,6 +172,9 @@ def run_cluster(
         ttft_slo_s=sim.ttft_slo_s,
         tpot_slo_s=sim.tpot_slo_s,
         preemptions=sum(i.load().num_preemptions for i in insts),
+        # hits where prompts are computed (a P/D hand-off's second admission counted apart: Cluster.hit_rates)
+        prefix_hit_tokens=sum(s.prefix_hit_tokens for s in scheds) - d_hit,
+        prompt_tokens_total=sum(s.admitted_tokens for s in scheds) - d_adm,
         extra={
             "model": sim.model,
             "gpu": sim.gpu,
@@ -168,6 +188,10 @@ def run_cluster(
             "hot_spot_ratio_by_role": hot,
             "store_fetched_blocks": store.fetched_blocks if store else 0,
             "store_saved_blocks": store.saved_blocks if store else 0,
+            "store_hit_rate": rates["store_hit_rate"],
+            "decode_local_hit_rate": rates["decode_local_hit_rate"],
+            "role_flips": len(cluster.role_log),
+            "role_log": list(cluster.role_log),
             "pd_transfers": len(cluster.pd.handoffs) if cluster.pd else 0,
             "migrations": len(run.migrations) + live["request_migrations"],  # moves of either kind
             "migration_log": run.migrations,

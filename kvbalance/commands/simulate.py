@@ -5,38 +5,27 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvbalance.commands._config_flags import add_config_flags, config_overrides
 from kvbalance.commands._util import fail, parse_rate
 from kvbalance.scheduler import POLICIES
 
 DEFAULT_OUT = "runs/simulate"
+# what the CLI adds to the flags derived from SimulateConfig: parse functions, a registry's choices, the
+# short names the flags had before they were derived
+FLAG_EXTRAS = {
+    "rate": {"type": parse_rate},
+    "policy": {"choices": POLICIES.names()},
+    "ttft_slo_s": {"aliases": ["--ttft-slo"]},
+    "tpot_slo_s": {"aliases": ["--tpot-slo"]},
+}
 
 
 def add_parser(sub) -> None:
+    from kvbalance.sim.config import SimulateConfig
+
     p = sub.add_parser("simulate", help="simulate serving a workload on the GPU cost model")
     p.add_argument("config", nargs="?", help="YAML config (keys = SimulateConfig fields); flags override it")
-    p.add_argument("--model")
-    p.add_argument("--gpu")
-    p.add_argument("--tp", type=int)
-    p.add_argument("--workload")
-    p.add_argument("--rate", type=parse_rate, help="requests/s, or inf (all at time 0)")
-    p.add_argument("--num-requests", type=int)
-    p.add_argument("--arrival", choices=["poisson", "gamma", "constant"])
-    p.add_argument("--cv", type=float, help="coefficient of variation of gamma arrivals")
-    p.add_argument("--policy", choices=POLICIES.names(), help="scheduling policy")
-    p.add_argument(
-        "--elastic",
-        choices=["off", "elastic", "static"],
-        help="elastic KV reserve: lend the prefill activation reserve during decode-only periods (elastic), "
-        "keep it in the pool for good (static), or leave it out (off, default)",
-    )
-    p.add_argument("--chunk-size", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--kv-tokens", type=int, help="KV capacity in tokens (overrides GPU memory)")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--ttft-slo", type=float, dest="ttft_slo_s")
-    p.add_argument("--tpot-slo", type=float, dest="tpot_slo_s")
-    p.add_argument("--seed", type=int)
+    add_config_flags(p, SimulateConfig, extras=FLAG_EXTRAS)
     p.add_argument("--out", default=None, help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print summary.json instead of a table")
@@ -61,37 +50,15 @@ def load_yaml(path: str) -> dict:
 def run(args) -> int:
     from pydantic import ValidationError
 
-    from kvbalance.sim.run import SimulateConfig, config_error_message, run_simulation
+    from kvbalance.sim.config import SimulateConfig, config_error_message
+    from kvbalance.sim.run import run_simulation
 
     data = load_yaml(args.config) if args.config else {}
     out = args.out or data.pop("out", None) or DEFAULT_OUT
     cluster_section = data.pop(
         "cluster", None
     )  # many instances: kvbalance/cluster (sim/ stays single-instance)
-    for key in (
-        "model",
-        "gpu",
-        "tp",
-        "workload",
-        "rate",
-        "num_requests",
-        "arrival",
-        "cv",
-        "policy",
-        "elastic",
-        "chunk_size",
-        "max_num_seqs",
-        "block_size",
-        "kv_tokens",
-        "seed",
-        "ttft_slo_s",
-        "tpot_slo_s",
-    ):
-        v = getattr(args, key)
-        if v is not None:
-            data[key] = v
-    if args.no_prefix_caching:
-        data["enable_prefix_caching"] = False
+    data.update(config_overrides(args, SimulateConfig))
     if isinstance(data.get("rate"), str):
         data["rate"] = parse_rate(data["rate"])
     try:

@@ -1,6 +1,6 @@
 """One simulated serving run: config -> workload -> instance on the cost model -> metrics and files.
 
-``SimulateConfig`` is the typed config of ``kvbalance simulate`` (YAML keys = field names);
+``SimulateConfig`` (``sim/config.py``, re-exported here) is the typed config of ``kvbalance simulate``;
 ``run_simulation`` is what the CLI and the experiments call.
 """
 
@@ -10,9 +10,6 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvbalance.engine import Instance, InstanceConfig, build_instance
 from kvbalance.executor.sim import SimExecutor
@@ -24,75 +21,10 @@ from kvbalance.perf.cost import CostModel
 from kvbalance.perf.memory import engine_activation_reserve_bytes, kv_capacity_tokens
 from kvbalance.request import Request
 from kvbalance.scheduler import POLICIES
+from kvbalance.sim.config import SimulateConfig, config_error_message  # noqa: F401 (re-exported)
 from kvbalance.sim.loop import SimRun, simulate_instance
-from kvbalance.specs import get_gpu, get_model
+from kvbalance.specs import get_model
 from kvbalance.workloads.presets import build_requests
-
-
-class SimulateConfig(BaseModel):
-    """Everything a simulated run depends on. Unknown keys are an error."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = "llama-2-7b"
-    gpu: str = "a100-80gb"
-    tp: int = Field(1, ge=1)
-    workload: str = "sharegpt"
-    rate: float = 8.0  # requests/s; inf = all at time 0
-    num_requests: int | None = Field(1000, ge=1)
-    arrival: Literal["poisson", "gamma", "constant"] = "poisson"
-    cv: float = Field(1.0, gt=0)
-    policy: str = "sarathi"  # a scheduling policy name (kvbalance.scheduler.POLICIES)
-    chunk_size: int = Field(512, ge=1)  # sarathi: token budget per step; vllm: ignored (whole prompts)
-    max_num_seqs: int = Field(256, ge=1)
-    block_size: int = Field(16, ge=1)
-    kv_tokens: int | None = Field(None, ge=1)  # overrides the capacity derived from GPU memory
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    enable_prefix_caching: bool = True
-    max_context: int | None = Field(None, ge=1)  # defaults to the model's
-    seed: int = 0
-    ttft_slo_s: float | None = Field(None, gt=0)
-    tpot_slo_s: float | None = Field(None, gt=0)
-    time_scale: float = Field(1.0, gt=0)  # multiplies trace arrival times
-    # elastic KV reserve (kvcache/elastic.py): "elastic" lends the prefill activation reserve to the KV pool
-    # during decode-only periods; "static" keeps it in the pool for good (fails with "oom" when a prefill
-    # no longer fits); "off" (default) leaves the reserve out of the pool
-    elastic: Literal["off", "elastic", "static"] = "off"
-
-    @field_validator("policy")
-    @classmethod
-    def _known_policy(cls, v: str) -> str:
-        POLICIES.get(v)
-        return v
-
-    @field_validator("rate")
-    @classmethod
-    def _rate_positive(cls, v: float) -> float:
-        if not (v > 0):
-            raise ValueError("must be > 0 (or inf)")
-        return v
-
-    @field_validator("model")
-    @classmethod
-    def _known_model(cls, v: str) -> str:
-        get_model(v)
-        return v
-
-    @field_validator("gpu")
-    @classmethod
-    def _known_gpu(cls, v: str) -> str:
-        get_gpu(v)
-        return v
-
-
-def config_error_message(err) -> str:
-    """One line naming the field(s) of a pydantic ValidationError."""
-    parts = []
-    for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "config"
-        msg = e["msg"].removeprefix("Value error, ")
-        parts.append(f"{loc}: {msg}")
-    return "; ".join(parts)
 
 
 @dataclass
