@@ -18,6 +18,7 @@ import pytest
 from kvbalance.batch import BatchPlan, ScheduledSeq, StepBreakdown
 from kvbalance.perf import profiles
 from kvbalance.perf.cost import CostModel, allreduce_time, breakdown_total_s
+from kvbalance.perf.engines import get_engine
 from kvbalance.perf.fit_errors import BATCH_RANGES, ClassError, error_rows, op_class, operator_errors
 from kvbalance.perf.kernels import OpTime
 from kvbalance.perf.overlap import OverlapConfig, OverlapStepModel, resource_times_s, step_model
@@ -29,7 +30,10 @@ from kvbalance.specs import LinkSpec, get_gpu
 
 
 class StubCost:
-    """A cost model with given operator rooflines and a given sequential breakdown."""
+    """A cost model with given operator rooflines and a given sequential breakdown (a serial engine: its host
+    time is in the sequential breakdown's overhead)."""
+
+    engine = get_engine("vllm-v0")
 
     def __init__(self, times: dict, seq: StepBreakdown) -> None:
         self.times, self.seq, self.calls = times, seq, []

@@ -58,18 +58,52 @@ def test_load_aware_takes_least_outstanding_tokens_and_ignores_cache():
     assert r.choose(req("b", [1]), [load(busy=5.0), load(busy=2.0), load(busy=2.0)]) == 1
 
 
-def test_kv_aware_cost_is_overlap_weight_times_prefill_blocks_plus_decode_blocks():
+def test_kv_aware_cost_is_dynamos_prefill_plus_decode_blocks():
     r = build_router("kv_aware")
     shared = tokens(0, 10 * BS)
     first = req("a", shared)
     assert r.choose(first, [load(), load()]) == 0  # both cost 10 prefill blocks: lowest index
-    # instance 0 now holds the prefix (10 blocks) but runs 8 decode blocks; instance 1 holds nothing
+    # instance 0 now caches the prefix (10 blocks) and holds 8 blocks of KV; instance 1 holds nothing
     nxt = req("b", shared + tokens(5000, 2 * BS))
     loads = [load(kv_used=8 * BS), load(kv_used=0)]
-    assert r.costs(nxt, loads) == [1.0 * 2 + 8, 1.0 * 12 + 0]
+    # cost = weight x (queued prefill + new blocks) + (held + queued + new blocks)
+    assert r.costs(nxt, loads) == [1.0 * 2 + (8 + 2), 1.0 * 12 + 12]
     assert r.choose(nxt, loads) == 0
-    heavy = [load(kv_used=11 * BS), load(kv_used=0)]  # 2 + 11 > 12 + 0
+    heavy = [load(kv_used=21 * BS), load(kv_used=0)]  # 2 + 23 > 24
     assert r.choose(req("c", shared + tokens(7000, 2 * BS)), heavy) == 1
+
+
+def test_kv_aware_counts_prompts_queued_on_an_instance():
+    """Requests routed to an instance and not yet computed are load (Dynamo's active prefill blocks): a
+    cached prefix does not draw a whole burst onto one instance."""
+    r = build_router("kv_aware")
+    doc = tokens(0, 20 * BS)
+    r.choose(req("a", doc + tokens(9000, BS)), [load(), load()])  # instance 0 caches the document
+    queued = [load(prefill=40 * BS, waiting=2), load()]  # two document requests waiting there
+    # instance 0: 2 x (40 + 1) + 0 = 82 blocks; instance 1: 2 x 21 = 42
+    assert r.costs(req("b", doc + tokens(9100, BS)), queued) == [82.0, 42.0]
+    assert r.choose(req("c", doc + tokens(9200, BS)), queued) == 1
+    fresh = build_router("kv_aware")
+    fresh.choose(req("d", doc + tokens(9300, BS)), [load(), load()])
+    # a little queue (1 block) does not outweigh 20 cached blocks: 2 x 1 + 1 + 1 = 4 vs 2 x 21 = 42
+    assert fresh.choose(req("e", doc + tokens(9400, BS)), [load(prefill=BS), load()]) == 0
+
+
+def test_kv_aware_index_forgets_blocks_after_the_ttl_and_past_capacity():
+    r = build_router("kv_aware", ttl_s=10.0)
+    doc = tokens(0, 8 * BS)
+    a = req("a", doc)
+    a.arrival_s = 0.0
+    r.choose(a, [load(), load()])
+    late = req("b", doc + tokens(900, BS))
+    late.arrival_s = 5.0
+    assert r.costs(late, [load(), load()])[0] == 2 * 1  # 8 of 9 blocks cached on 0
+    later = req("c", doc + tokens(950, BS))
+    later.arrival_s = 16.0  # 16 s after the document was last routed (b went to 0 at 5 s and refreshed it)
+    assert r.costs(later, [load(), load()]) == [2.0 * 9, 2.0 * 9]
+    small = build_router("kv_aware", max_index_tokens=4 * BS)
+    small.choose(req("d", doc), [load(), load()])
+    assert small.indexes[0].size_tokens == 4 * BS  # LRU-bounded: the deepest blocks went first
 
 
 def test_cache_aware_routes_to_best_match_above_threshold():
@@ -90,7 +124,7 @@ def test_cache_aware_miss_rule_picks_smallest_tree_and_threshold_is_strict():
     balanced = [load(running=1), load(running=1), load(running=1)]
     r.choose(req("big", tokens(0, 20 * BS)), balanced)  # -> 0 (tree 20 blocks)
     r.choose(req("small", tokens(50_000, 2 * BS)), balanced)  # -> 1 (smallest: empty trees 1, 2 -> 1)
-    assert [t.size_tokens // BS for t in r.trees] == [20, 2, 0]
+    assert [t.size_tokens // BS for t in r.trees.values()] == [20, 2, 0]
     # exactly half of the prompt matches instance 0: 0.5 is not > 0.5, a miss -> smallest tree (2)
     half = tokens(0, 4 * BS) + tokens(70_000, 4 * BS)
     assert r.choose(req("half", half), balanced) == 2

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from kvbalance.batch import BatchPlan
 from kvbalance.engine import Instance
-from kvbalance.kvcache.prefix import prefix_block_hashes
+from kvbalance.kvcache.hashing import BlockHasher
 from kvbalance.request import Request
 
 
-def prompt_hashes(req: Request, block_size: int, num_tokens: int) -> list[int]:
-    """Chained hashes of the full blocks among the prompt's first ``num_tokens`` tokens."""
-    return prefix_block_hashes(
+def prompt_hashes(
+    req: Request, block_size: int, num_tokens: int, hasher: BlockHasher | None = None
+) -> list[int]:
+    """Chained hashes (``hasher``'s: the instance's; SHA-256 by default) of the prompt's full blocks among
+    its first ``num_tokens`` tokens."""
+    return (hasher or BlockHasher()).prefix_block_hashes(
         req.prompt_token_ids, block_size, 0, 0, min(num_tokens, req.num_prompt_tokens) // block_size
     )
 
@@ -30,27 +33,34 @@ def report_transfers(inst: Instance, finished_loads: list[str], finished_saves: 
 
 
 class ClusterConnector:
+    """One member's connector. Its role is the member's current one (a role flip changes where new work is
+    routed; work already on the member goes on as it began): a P/D hand-off addressed to the member is loaded
+    whatever its role now, a prefill begun on it is held for its hand-off after a flip too."""
+
     def __init__(self, cluster, role: str) -> None:
         self.cluster = cluster
-        self.role = role
+        self._role = role
         self.member = None  # set when the member is built
+
+    @property
+    def role(self) -> str:
+        return self.member.role if self.member is not None else self._role
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         c = self.cluster
-        if self.role == "decode":
+        if c.pd is not None and c.pd.is_handoff_to(self.member, request):
             return c.pd.matched(self.member, request, num_computed_tokens)
-        if c.store is not None:
+        if c.store is not None and self.role != "decode":
             return c.store.matched(self.member, request, num_computed_tokens)
         return 0, False
 
     def update_state_after_alloc(
         self, request: Request, block_ids: list[int], num_external_tokens: int
     ) -> None:
-        if num_external_tokens <= 0:
-            return
-        if self.role == "decode":
-            self.cluster.pd.start_load(self.member, request, num_external_tokens)
-        else:
+        pd = self.cluster.pd
+        if pd is not None and pd.is_handoff_to(self.member, request):
+            pd.admitted(self.member, request, num_external_tokens)
+        elif num_external_tokens > 0:
             self.cluster.store.start_fetch(self.member, request, num_external_tokens)
 
     def build_connector_meta(self, plan: BatchPlan) -> None:
@@ -65,4 +75,4 @@ class ClusterConnector:
 
     def request_finished(self, request: Request, block_ids: list[int]) -> bool:
         pd = self.cluster.pd
-        return self.role == "prefill" and pd is not None and pd.holds_for(self.member, request, block_ids)
+        return pd is not None and pd.holds_for(self.member, request, block_ids)

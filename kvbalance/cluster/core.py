@@ -62,8 +62,7 @@ class Cluster:
             for g in m.gpus:
                 topology.node_of(g)  # validates the index
         self.loop = EventLoop()
-        self.frontends = [m for m in self.members if m.role in ("colocated", "prefill")]
-        self.decoders = [m for m in self.members if m.role == "decode"]
+        self._refresh_roles()
         has_prefill = any(m.role == "prefill" for m in self.members)
         if not self.frontends:
             raise ValueError("members: need at least one prefill or colocated instance")
@@ -130,10 +129,35 @@ class Cluster:
             from kvbalance.cluster.llumnix import LlumnixController
 
             self.llumnix = LlumnixController(self, llumnix)
+        self.role_log: list[dict] = []  # role flips: time, member, from, to, what it held then
         for m in self.members:
             m.driver = InstanceDriver(
                 self.loop, m.instance, on_step=self._step_hook(m), on_finish=self._finish_hook(m)
             )
+
+    # -- roles ------------------------------------------------------------------
+    def _refresh_roles(self) -> None:
+        self.frontends = [m for m in self.members if m.role in ("colocated", "prefill")]
+        self.decoders = [m for m in self.members if m.role == "decode"]
+
+    def set_role(self, m: Member, role: Role, reason: str = "") -> None:
+        """Flip a P/D member between ``prefill`` and ``decode``. Only where new work goes changes: requests
+        already queued or running on ``m`` finish as they began (a prefill begun there is still handed off,
+        a hand-off addressed to it is still loaded and decoded there), so nothing moves and no block changes
+        hands. At least one member of each role must remain."""
+        if m.role == role:
+            return
+        if {m.role, role} != {"prefill", "decode"}:
+            raise ValueError(f"role: only prefill <-> decode flips, not {m.role} -> {role}")
+        left = [x for x in self.members if x.role == m.role and x is not m]
+        if not left:
+            raise ValueError(f"role: {m.name} is the last {m.role} instance")
+        load = m.instance.load()
+        self.role_log.append({"t_s": self.loop.now, "instance": m.name, "from": m.role, "to": role,
+                              "reason": reason, "running": load.num_running, "waiting": load.num_waiting,
+                              "kv_used_tokens": load.kv_used_tokens})  # fmt: skip
+        m.role = role
+        self._refresh_roles()
 
     # -- loads ------------------------------------------------------------------
     def load(self, m: Member) -> InstanceLoad:
@@ -143,6 +167,26 @@ class Cluster:
 
     def loads(self, members: Sequence[Member]) -> list[InstanceLoad]:
         return [self.load(m) for m in members]
+
+    def hit_rates(self) -> dict[str, float | None]:
+        """Prefix-cache hit ratios, each in [0, 1]: ``prefix_hit_rate`` over the admissions that compute a
+        prompt (colocated and prefill members, recomputes anywhere): local-cache tokens / tokens admitted;
+        ``store_hit_rate``: tokens fetched from the global store over the same; ``decode_local_hit_rate``: of
+        the prompt tokens handed off to decode members, those their own cache already held (no transfer).
+        A P/D request is admitted twice (prefill, then decode), so pooling both counted its prompt once and
+        its hits twice (ratios over 1)."""
+        scheds = [m.instance.scheduler for m in self.members]
+        hit = sum(s.prefix_hit_tokens for s in scheds)
+        admitted = sum(s.admitted_tokens for s in scheds)
+        d_hit = self.pd.decode_hit_tokens if self.pd is not None else 0
+        d_adm = self.pd.decode_admitted_tokens if self.pd is not None else 0
+        computed = admitted - d_adm
+        fetched = self.store.fetched_tokens if self.store is not None else 0
+        return {
+            "prefix_hit_rate": (hit - d_hit) / computed if computed else None,
+            "store_hit_rate": fetched / computed if computed and self.store is not None else None,
+            "decode_local_hit_rate": d_hit / d_adm if d_adm else None,
+        }
 
     def check_member(self, m: Member) -> None:
         """Block accounting of one member (with the P/D hand-off's holds counted as holders)."""
@@ -200,7 +244,7 @@ class Cluster:
 
     def _finish_hook(self, m: Member) -> Callable:
         def on_finish(req: Request) -> None:
-            if m.role == "prefill" and self.pd.handles(req):
+            if self.pd is not None and self.pd.handles(req):
                 self.pd.prefill_done(m, req)
                 return
             self._finished(req)

@@ -48,6 +48,11 @@ class PDConnector:
         self._last_step_s: dict[int, float] = {}
         self._src_blocks: dict[str, list[int]] = {}  # rid -> its block table on the prefill side (held)
         self.handoffs: list[Handoff] = []  # every transfer, for reports and tests
+        # admissions of handed-off requests on their decode member: prompt tokens admitted there and those its
+        # own prefix cache held (the KV that did not have to move); kept apart from the prompts computed on
+        # prefill members, whose hits save compute (``Cluster.hit_rates``)
+        self.decode_admitted_tokens = 0
+        self.decode_hit_tokens = 0
 
     # -- prefill side ---------------------------------------------------------------
     def rejection_reason(self, req: Request) -> str | None:
@@ -104,16 +109,29 @@ class PDConnector:
             self._release_hold(h.src, req.request_id)
 
     # -- decode side (connector calls) ---------------------------------------------------
-    def matched(self, dst, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def is_handoff_to(self, dst, req: Request) -> bool:
+        """``req`` was handed off to ``dst`` and its KV load has not started (not a recompute)."""
         h = self._pending.get(req.request_id)
-        if h is None or h.dst is not dst:
+        return h is not None and h.dst is dst
+
+    def matched(self, dst, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.is_handoff_to(dst, req):
             return 0, False  # not a hand-off (or a recompute after preemption): compute it
         external = req.num_prompt_tokens - num_computed_tokens
         if external <= 0:  # the decode side caches the whole prompt already: nothing to move
-            del self._pending[req.request_id]
-            self._release_hold(h.src, req.request_id)
             return 0, False
         return external, True
+
+    def admitted(self, dst, req: Request, num_external_tokens: int) -> None:
+        """The decode member admitted a hand-off: count its local hit, then load the rest of the prompt's KV
+        or, when its own cache held all of it, let the prefill side free its copy."""
+        self.decode_admitted_tokens += req.num_prompt_tokens
+        self.decode_hit_tokens += min(req.num_cached_tokens, req.num_prompt_tokens)
+        if num_external_tokens > 0:
+            self.start_load(dst, req, num_external_tokens)
+            return
+        h = self._pending.pop(req.request_id)
+        self._release_hold(h.src, req.request_id)
 
     def start_load(self, dst, req: Request, num_tokens: int) -> None:
         h = self._pending.pop(req.request_id)

@@ -60,6 +60,7 @@ class StoreConnector:
         self._in_flight: dict[str, Fetch] = {}
         self.fetches: list[Fetch] = []
         self.fetched_blocks = 0
+        self.fetched_tokens = 0  # prompt tokens whose KV came from the store (a request's external tokens)
         self.saved_blocks = 0
         self.worker = StoreWorker()  # the host-side copy, for members on real tensors
         self._tables: dict[int, dict[str, list[int]]] = {}  # member -> rid -> block table when planned
@@ -75,7 +76,7 @@ class StoreConnector:
     # -- connector calls ----------------------------------------------------------------
     def matched(self, m, req: Request, num_computed_tokens: int) -> tuple[int, bool]:
         bs = m.instance.pool.block_size
-        hashes = prompt_hashes(req, bs, req.num_prompt_tokens - 1)  # the last token is always computed
+        hashes = prompt_hashes(req, bs, req.num_prompt_tokens - 1, m.instance.kv.hasher)  # last: computed
         stored = self.store.match(hashes) if hashes else 0
         external = stored * bs - num_computed_tokens
         if external <= 0:
@@ -103,6 +104,7 @@ class StoreConnector:
         self._in_flight[req.request_id] = f
         self.fetches.append(f)
         self.fetched_blocks += n
+        self.fetched_tokens += num_tokens
         self.cluster.loop.at(f.done_s, self._land, f)
 
     def fetch_extra_s(self, m, req: Request, stored_tokens: int, num_blocks: int) -> float:
@@ -146,7 +148,7 @@ class StoreConnector:
         tables = self._tables.pop(m.index, None)
         for s in outcome.plan.seqs:
             if _finishes_prompt(s):
-                hashes = prompt_hashes(s.request, bs, s.request.num_prompt_tokens)
+                hashes = prompt_hashes(s.request, bs, s.request.num_prompt_tokens, m.instance.kv.hasher)
                 self.saved_blocks += self.store.put(hashes)
                 if tables is not None:
                     self._save_blocks(m, s.request.request_id, hashes, tables[s.request.request_id])

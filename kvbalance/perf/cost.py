@@ -1,12 +1,16 @@
 """Roofline cost model of one serving step: per-operator FLOPs and bytes on a HardwareSpec, plus tensor-parallel
-all-reduce, kernel latencies, the engine's host time per step and the LM head for sampling tokens only
-(DESIGN.md, "The cost model").
+all-reduce, kernel latencies, the serving engine's host time per step (:mod:`kvbalance.perf.engines`: serial, or
+overlapped with the GPU step) and the LM head for sampling tokens only (DESIGN.md, "The cost model").
 
 Per kernel: ``time = max(flops / (peak * eff_c(M)), bytes / (bw * eff_m)) + latency``; GEMMs and attention
 use the compute curve ``eff_c(M) = compute_eff_max * M / (M + compute_half_tokens)``, element-wise kernels
 their class's :class:`~kvbalance.specs.MemoryCurve` where the preset has one (``kvbalance calibrate`` fits
 both on measured operator times). A kernel shape profiled on the preset's GPU is then scaled by its measured
 correction (:mod:`kvbalance.perf.correction`): ``time * exp(log_ratio(M))``.
+
+A step's GPU time is its kernels (compute, memory, kernel latencies) and all-reduces; the engine profile adds
+its host time around them (``StepBreakdown.overhead_s`` holds the kernel latencies plus the host time the GPU
+did not hide; :meth:`CostModel.host_time` says which part was hidden).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import replace
 
 from kvbalance.batch import BatchPlan, StepBreakdown
 from kvbalance.perf.correction import ShapeCorrections, elementwise_key, gemm_key
+from kvbalance.perf.engines import EngineProfile, HostTime, host_time, resolve_engine
 from kvbalance.perf.kernels import (  # noqa: F401  (re-exported: callers import these from perf.cost)
     ATTENTION,
     ELEMENTWISE,
@@ -89,8 +94,10 @@ class CostModel:
     """Predicts a step's duration for ``model`` on ``gpu`` with tensor parallelism ``tp``.
 
     ``link`` is the TP interconnect (defaults to the GPU's ``tp_link``). All FLOPs and bytes are per GPU.
-    ``overhead_s`` is the batch-independent part of a step's overhead (host fixed time and per-layer launch
-    gaps); :meth:`host_overhead_s` adds the parts that grow with the batch.
+    ``engine`` is the serving engine whose host time the steps pay (an :class:`EngineProfile` or its name,
+    :mod:`kvbalance.perf.engines`; None: the default, ``vllm-v1`` on a GPU). ``overhead_s`` is the
+    batch-independent part of the engine's host work plus the per-layer launch gaps; :meth:`host_overhead_s`
+    adds the parts that grow with the batch.
     """
 
     def __init__(
@@ -99,9 +106,11 @@ class CostModel:
         gpu: HardwareSpec | str,
         tp: int = 1,
         link: LinkSpec | str | None = None,
+        engine: EngineProfile | str | None = None,
     ) -> None:
         self.model = get_model(model)
         self.gpu = get_gpu(gpu)
+        self.engine = resolve_engine(engine, self.gpu)
         validate_tp(self.model, tp)
         self.tp = tp
         self.link = get_link(link) if link is not None else self.gpu.tp_link
@@ -163,11 +172,22 @@ class CostModel:
         return self._corr.factor(name, float(tokens)) if self._corr is not None else 1.0
 
     def host_overhead_s(self, num_seqs: int, num_tokens: int) -> float:
-        """Overhead of a step over ``num_seqs`` sequences and ``num_tokens`` tokens outside the kernels: the
-        engine's host time (fixed + per sequence + per token, + TP synchronisation) and per-layer launch gaps."""
-        return self.gpu.host_overhead_s(num_seqs, num_tokens, self.tp) + (
+        """Overhead of a step over ``num_seqs`` sequences and ``num_tokens`` tokens outside the kernels, before
+        any overlap: the engine's host work (fixed + per sequence + per token, + TP synchronisation) and the
+        per-layer launch gaps."""
+        return self.engine.host_work_s(self.gpu, num_seqs, num_tokens, self.tp) + (
             self.gpu.per_layer_overhead_s * self.model.num_layers
         )
+
+    @property
+    def step_fixed_host_s(self) -> float:
+        """The host time every step pays whatever its size, as the engine exposes it: the fixed host work and
+        the sync of a serial engine; only the sync of an overlapped one (its host work hides under the GPU)."""
+        e = self.engine
+        fixed = e.sync_s
+        if not e.overlap:
+            fixed += e.host_work_s(self.gpu, 0, 0, self.tp)
+        return fixed
 
     # -- operator counts -------------------------------------------------------------------------
     def _elementwise(self, tokens: float) -> dict[str, tuple[float, float]]:
@@ -288,10 +308,16 @@ class CostModel:
         ops = self.op_counts(seqs)
         if not ops:
             return StepBreakdown()
-        hw = self.gpu
+        hw, eng = self.gpu, self.engine
         tokens = int(ops[0].size_tokens)  # the embedding runs over every token of the step
+        num_seqs = len(seqs)
         compute_s = memory_s = flops = num_bytes = 0.0
-        overhead_s = self.host_overhead_s(len(seqs), tokens)
+        gaps = hw.per_layer_overhead_s * self.model.num_layers
+        work = eng.host_work_s(hw, num_seqs, tokens, self.tp)
+        # a serial engine's host work comes first (its sum in this order is the step time of before engine
+        # profiles, bit for bit); an overlapped engine's is set against the GPU time once that is known
+        overhead_s = work + gaps if not eng.overlap else gaps
+        kernels = 0
         latency, small, corr = self._latency, self._small, self._corr
         at = corr.at(ops[0].size_tokens) if corr is not None else None  # factors at the step's token count
         for op in ops:  # op_time's arithmetic, inlined: this is the simulator's hot path
@@ -318,7 +344,52 @@ class CostModel:
                 overhead_s += latency[key] * r
             flops += op.flops * op.repeat
             num_bytes += op.bytes * op.repeat
-        return StepBreakdown(compute_s, memory_s, overhead_s, self.comm_s(tokens), 0.0, flops, num_bytes)
+            kernels += op.repeat
+        comm_s = self.comm_s(tokens)
+        if self.tp > 1:
+            kernels += 2 * self.model.num_layers  # the all-reduces
+        launch = eng.launch_s(num_seqs, tokens, kernels)
+        if eng.overlap:
+            gpu_s = compute_s + memory_s + overhead_s + comm_s
+            busy = gpu_s if gpu_s >= launch else launch
+            overhead_s += (busy if busy >= work else work) - gpu_s + eng.sync_s
+        else:
+            gpu_s = compute_s + memory_s + (overhead_s - work) + comm_s
+            overhead_s += (launch - gpu_s if launch > gpu_s else 0.0) + eng.sync_s
+        return StepBreakdown(compute_s, memory_s, overhead_s, comm_s, 0.0, flops, num_bytes)
+
+    def gpu_step(self, seqs: Sequence[SeqWork]) -> StepBreakdown:
+        """The step's GPU time alone (kernels, their latencies, per-layer gaps and all-reduces in
+        ``overhead_s``/``comm_s``, no engine host time): what every engine profile starts from."""
+        ops = self.op_counts(seqs)
+        if not ops:
+            return StepBreakdown()
+        times = self.op_times(seqs)
+        b = StepBreakdown(overhead_s=self.gpu.per_layer_overhead_s * self.model.num_layers)
+        for t in times.values():
+            if t.compute_s > t.memory_s:
+                b.compute_s += t.compute_s
+            else:
+                b.memory_s += t.memory_s
+            b.overhead_s += t.latency_s
+            b.flops += t.flops
+            b.bytes += t.bytes
+        b.comm_s = self.comm_s(int(ops[0].size_tokens))
+        return b
+
+    def num_kernels(self, seqs: Sequence[SeqWork]) -> int:
+        """Kernel launches of a step (every operator launch, and two all-reduces per layer when tp > 1)."""
+        n = sum(op.repeat for op in self.op_counts(seqs))
+        return n + (2 * self.model.num_layers if self.tp > 1 and n else 0)
+
+    def host_time(self, seqs: Sequence[SeqWork], gpu_s: float | None = None) -> HostTime:
+        """Where the host time of a step over ``seqs`` goes under the engine profile: its host work, launch
+        and sync time, how much of it the GPU step hides and the step's duration. ``gpu_s``: the GPU time to
+        set it against (default: :meth:`gpu_step`'s; an overlap-mode step model passes its own)."""
+        if gpu_s is None:
+            gpu_s = breakdown_total_s(self.gpu_step(seqs))
+        tokens = sum(n for n, _, _ in seqs)
+        return host_time(self.engine, self.gpu, gpu_s, len(seqs), tokens, self.num_kernels(seqs), self.tp)
 
     def step_seconds(self, seqs: Sequence[SeqWork]) -> float:
         return breakdown_total_s(self.step(seqs))

@@ -197,9 +197,10 @@ def stage_times(cm: CostModel, seqs: Sequence[SeqWork], layers: tuple[int, int])
 
     Per-layer operators (``OpCount.repeat`` a multiple of L) count ``(b - a) / L`` of their total;
     per-step operators before the first layer (embedding) go to the stage holding layer 0, those after
-    the last (final norm, LM head) to the stage holding layer L - 1. The overhead is the fixed host time once
-    per stage, the rest of the host overhead (per sequence, per token) and the per-layer launch gaps in
-    proportion to its layers, plus its operators' kernel latencies; the TP all-reduce scales with the layers.
+    the last (final norm, LM head) to the stage holding layer L - 1. The overhead is the engine's fixed host
+    time once per stage (a serial engine's fixed host work and sync; an overlapped engine's sync), the rest of
+    the host time it exposes (per sequence, per token) and the per-layer launch gaps in proportion to its
+    layers, plus its operators' kernel latencies; the TP all-reduce scales with the layers.
     """
     a, b = _check_range(cm, layers)
     L = cm.model.num_layers
@@ -226,8 +227,14 @@ def stage_times(cm: CostModel, seqs: Sequence[SeqWork], layers: tuple[int, int])
             memory += f * t.memory_s
         latency += f * t.latency_s
     tokens = sum(n for n, _, _ in seqs)
-    step_oh = cm.gpu.step_overhead_s
-    overhead = step_oh + (cm.host_overhead_s(len(seqs), tokens) - step_oh) * share + latency
+    eng = cm.engine
+    if eng.overlap:  # the host work hides under the step; each stage still waits on the engine's sync
+        exposed = cm.host_time(seqs).exposed_s
+        gaps = cm.gpu.per_layer_overhead_s * L
+        overhead = eng.sync_s + (exposed - eng.sync_s + gaps) * share + latency
+    else:
+        step_oh = eng.host_work_s(cm.gpu, 0, 0, 1) + eng.sync_s
+        overhead = step_oh + (cm.host_overhead_s(len(seqs), tokens) - step_oh + eng.sync_s) * share + latency
     return StageTimes(compute, memory, overhead, cm.comm_s(tokens) * share)
 
 

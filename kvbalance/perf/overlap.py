@@ -10,7 +10,8 @@ BlendServe's T = max(T_comp, T_mem)). Here, over the cost model's per-operator r
     overlap (NanoFlow-style):   T = min(sum_op max(c_op, m_op) + comm,
                                         f * max(sum_op c_op, sum_op m_op, comm)) + overhead
 
-(overhead: the host time per step and the kernel latencies of ``CostModel.step``).
+(overhead: the kernel latencies of ``CostModel.step`` and the engine's host time per step: paid in full by a
+serial engine, set against the overlapped step's GPU time by an overlapped one, :mod:`kvbalance.perf.engines`).
 
 with ``f`` the interference factor (>= 1) of kernels sharing SMs, L2 and HBM. The default 1.10 is an
 unfitted engineering figure, not a measurement: NanoFlow's own interference profiling (section 4.1.2)
@@ -63,12 +64,16 @@ class OverlapStepModel:
         if not seqs:
             return StepBreakdown()
         cm = self.cost_model
-        seqb = cm.step(seqs)  # sequential breakdown: its overhead (host time, kernel latencies) stays serial
+        overlapped_host = cm.engine.overlap
+        # sequential breakdown: its overhead (kernel latencies, a serial engine's host time) stays serial
+        seqb = cm.gpu_step(seqs) if overlapped_host else cm.step(seqs)
         times = cm.op_times(seqs)
         comp, mem, _, comm = resource_times_s(times, seqb.comm_s)
         seq = seqb.compute_s + seqb.memory_s
         core = min(seq + comm, self.config.interference_factor * max(comp, mem, comm))
         b = StepBreakdown(overhead_s=seqb.overhead_s)
+        if overlapped_host:  # the engine's host work hides under this step's (shorter) GPU time
+            b.overhead_s += cm.host_time(seqs, core + seqb.overhead_s).exposed_s
         if comm > max(comp, mem):
             b.comm_s = core
         elif comp >= mem:

@@ -4,7 +4,9 @@ Routers are one class per file behind ``ROUTERS`` (``kvbalance.registry.Registry
 come from ``ROUTERS.names()``. A router sees only ``InstanceLoad`` snapshots (one per candidate, in a fixed
 order) and the request; routers that keep an approximate picture of where prefixes live (``cache_aware``,
 ``kv_aware``) build it from their own routing decisions, as sgl-router and Dynamo's approximate mode do.
-Ties break to the lowest index, so routing is deterministic.
+Ties break to the lowest index, so routing is deterministic. Routers that keep state per instance key it by
+the load's ``name`` (``load_keys``), not its position, so a candidate list that changes (a role flip) keeps
+each instance's state with it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def argmin(scores: Sequence[float]) -> int:
         if scores[i] < scores[best]:
             best = i
     return best
+
+
+def load_keys(loads: Sequence[InstanceLoad]) -> list[object]:
+    """A stable key per candidate: its instance name, or its index when names repeat (crafted snapshots)."""
+    names = [ld.name for ld in loads]
+    return names if len(set(names)) == len(names) else list(range(len(loads)))
 
 
 def build_router(name: str, block_size: int = 16, **options) -> Router:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbalance.cluster.routers.base import ROUTERS, Router, argmin
+from kvbalance.cluster.routers.base import ROUTERS, Router, argmin, load_keys
 from kvbalance.cluster.routers.prefix_index import ApproxPrefixIndex
 from kvbalance.engine import InstanceLoad
 from kvbalance.request import Request
@@ -56,18 +56,18 @@ class CacheAwareRouter(Router):
             raise ValueError(f"preset: unknown {preset!r} (known: {', '.join(PRESETS)})")
         base = PRESETS[preset]
         self.config = CacheAwareConfig(**{**base.__dict__, **overrides})
-        self.trees: list[ApproxPrefixIndex] = []
+        self.trees: dict[object, ApproxPrefixIndex] = {}  # instance key (``load_keys``) -> its tree
         self.last_decision = ""  # "imbalanced", "hit" or "miss": for tests and reports
 
-    def _tree(self, i: int) -> ApproxPrefixIndex:
-        while len(self.trees) <= i:
-            self.trees.append(ApproxPrefixIndex(self.block_size, self.config.max_tree_size_tokens))
-        return self.trees[i]
+    def _tree(self, key: object) -> ApproxPrefixIndex:
+        if key not in self.trees:
+            self.trees[key] = ApproxPrefixIndex(self.block_size, self.config.max_tree_size_tokens)
+        return self.trees[key]
 
     def choose(self, req: Request, loads: Sequence[InstanceLoad]) -> int:
         cfg = self.config
         n = len(loads)
-        trees = [self._tree(i) for i in range(n)]
+        trees = [self._tree(k) for k in load_keys(loads)]
         hashes = trees[0].prompt_hashes(req)
         load = [ld.num_waiting + ld.num_loading + ld.num_running for ld in loads]
         if is_imbalanced(load, cfg.balance_abs_threshold, cfg.balance_rel_threshold):
