@@ -50,6 +50,7 @@ class InstanceLoad:
     admitted_tokens: int  # cumulative: tokens that needed KV at admission
     prefix_hit_tokens: int  # cumulative: of those, served by the local prefix cache
     external_hit_tokens: int  # cumulative: of those, loaded from outside (KV connector)
+    prefix_token_mismatches: int = 0  # cumulative: prefix-cache hits refused (the tokens differed)
 
     @property
     def kv_utilization(self) -> float:
@@ -90,7 +91,7 @@ class Instance:
         else:  # static overcommit: the region is in the pool for good
             self.pool = BlockPool(num_blocks + elastic.reserve_blocks, block_size)
         self.config = scheduler_config or SchedulerConfig()
-        self.kv = KVCacheManager(self.pool, self.config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, self.config.enable_prefix_caching, self.config.block_hasher())
         self.cache = self.kv.cache
         self.scheduler = Scheduler(self.config, self.kv, connector)
         self.max_context = max_context
@@ -189,6 +190,7 @@ class Instance:
             admitted_tokens=sched.admitted_tokens,
             prefix_hit_tokens=sched.prefix_hit_tokens,
             external_hit_tokens=sched.external_hit_tokens,
+            prefix_token_mismatches=self.cache.num_token_mismatches if self.cache is not None else 0,
         )
 
     # -- stepping -----------------------------------------------------------------
@@ -263,6 +265,9 @@ class InstanceConfig:
     max_context: int = 1 << 30
     elastic: ElasticConfig | None = None
     name: str = "instance-0"
+    prefix_caching_hash_algo: str = "sha256"  # sha256 / blake2b name real KV; poly64: simulation
+    prefix_caching_salt: str = ""
+    prefix_caching_model: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -289,6 +294,9 @@ class InstanceConfig:
             max_num_seqs=self.max_num_seqs,
             enable_prefix_caching=self.enable_prefix_caching,
             watermark=self.watermark,
+            prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            prefix_caching_salt=self.prefix_caching_salt,
+            prefix_caching_model=self.prefix_caching_model,
         )
 
 

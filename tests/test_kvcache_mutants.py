@@ -6,6 +6,7 @@ import pytest
 from conftest import make_request
 
 from kvbalance.kvcache.blocks import BlockPool, ElasticBlockPool, OutOfBlocks
+from kvbalance.kvcache.hashing import HASH_ALGOS, BlockHasher
 from kvbalance.kvcache.manager import NO_HIT, KVCacheManager
 from kvbalance.kvcache.prefix import RadixCache, prefix_block_hashes
 
@@ -198,18 +199,19 @@ def test_evicting_a_prefix_block_drops_everything_below_it():
     assert cache.evict(10) == 1 and pool.num_free == 16  # no stale heap entry is freed twice
 
 
-def test_request_block_hashes_equal_the_prefix_hashes_of_its_tokens_across_the_prompt_boundary():
-    kv = KVCacheManager(BlockPool(16, 4))
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_request_block_hashes_equal_the_prefix_hashes_of_its_tokens_across_the_prompt_boundary(algo):
+    hasher = BlockHasher(algo)
+    kv = KVCacheManager(BlockPool(16, 4), hasher=hasher)
+    prefix = hasher.prefix_block_hashes
     req = make_request("r", list(range(100, 110)), max_tokens=20)
-    assert kv.block_hashes(req, 4) == prefix_block_hashes(list(range(100, 104)), 4)
-    assert kv.block_hashes(req, 9) == prefix_block_hashes(list(range(100, 108)), 4)
+    assert kv.block_hashes(req, 4) == prefix(list(range(100, 104)), 4)
+    assert kv.block_hashes(req, 9) == prefix(list(range(100, 108)), 4)
     req.output_token_ids.extend(range(500, 512))  # 22 tokens: blocks past the prompt mix prompt and output
     tokens = list(range(100, 110)) + list(range(500, 512))
     for n in (12, 13, 20, 22):
-        assert kv.block_hashes(req, n) == prefix_block_hashes(tokens[:n], 4)
-    assert kv.block_hashes(req, 8) == prefix_block_hashes(
-        tokens[:8], 4
-    )  # a shorter prefix of the cached list
+        assert kv.block_hashes(req, n) == prefix(tokens[:n], 4)
+    assert kv.block_hashes(req, 8) == prefix(tokens[:8], 4)  # a shorter prefix of the cached list
 
 
 def test_numpy_prompts_hash_like_lists():

@@ -13,6 +13,10 @@ Each request's block table (``request.block_ids``) is append-only once written: 
 computed the same block first, the cache keeps that block and this request keeps its own copy (freed
 with the request), so no block id ever changes under an in-flight KV save. A request's locked path in
 the prefix cache covers the blocks it has cached, and its block hashes are kept here, not on the request.
+
+Blocks are named by ``hasher`` (a :class:`~kvbalance.kvcache.hashing.BlockHasher`; SHA-256 by default), and
+every hit is also checked against the cached blocks' tokens: a block whose tokens differ from the
+request's is a miss (``RadixCache.num_token_mismatches``), whatever its hash says.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbalance.kvcache.blocks import BlockPool
-from kvbalance.kvcache.prefix import RadixCache, RadixNode, request_block_hashes
+from kvbalance.kvcache.hashing import BlockHasher, token_bytes
+from kvbalance.kvcache.prefix import RadixCache, RadixNode
 from kvbalance.request import Request
 
 
@@ -37,9 +42,12 @@ NO_HIT = PrefixHit(None, 0, 0)
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, pool: BlockPool, enable_prefix_caching: bool = True, hasher: BlockHasher | None = None
+    ) -> None:
         self.pool = pool
         self.block_size = pool.block_size
+        self.hasher = hasher if hasher is not None else BlockHasher()
         self.cache: RadixCache | None = RadixCache(pool) if enable_prefix_caching else None
         # request id -> (deepest locked cache node, blocks of the request covered by that path)
         self._paths: dict[str, tuple[RadixNode, int]] = {}
@@ -73,7 +81,7 @@ class KVCacheManager:
         cached = self._hashes.get(req.request_id)
         if cached is None:
             cached = self._hashes[req.request_id] = []
-        return request_block_hashes(req, self.block_size, num_tokens, cached)
+        return self.hasher.request_block_hashes(req, self.block_size, num_tokens, cached)
 
     # -- admission --------------------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> PrefixHit:
@@ -81,6 +89,10 @@ class KVCacheManager:
         if self.cache is None:
             return NO_HIT
         node, hit = self.cache.match_prefix(self.block_hashes(req, req.num_tokens - 1))
+        if hit:  # the cached tokens must be the request's: a hash match alone is not enough
+            node, hit = self.cache.verify_tokens(
+                node, hit, token_bytes(req.token_ids(0, hit * self.block_size))
+            )
         if not hit:
             return NO_HIT
         return PrefixHit(node, hit, self.cache.unlocked_blocks_on_path(node))
@@ -148,8 +160,11 @@ class KVCacheManager:
         node, have = self._paths.get(req.request_id) or (cache.root, 0)
         if full <= have:
             return
-        hashes = self.block_hashes(req, full * self.block_size)
-        node, _ = cache.extend(node, have, hashes, req.block_ids)
+        bs = self.block_size
+        hashes = self.block_hashes(req, full * bs)
+        node, _ = cache.extend(
+            node, have, hashes, req.block_ids, token_bytes(req.token_ids(have * bs, full * bs))
+        )
         # where another request cached a block first, the cache keeps its copy and req keeps its own
         self._paths[req.request_id] = (node, full)
 

@@ -9,6 +9,11 @@ through it) and a ``last_access`` tick; a partial match splits a node; sizes are
 used unlocked leaves popped from a heap, pushing a parent when it becomes a leaf — nothing scans the
 tree, and per-request work is per node, not per block (lists are sliced, not walked).
 
+Each node also keeps its blocks' tokens (fixed-width int64 bytes, ``hashing.token_bytes``): a lookup that
+matched by hash is checked against the request's tokens (:meth:`RadixCache.verify_tokens`), and a block
+whose tokens differ ends the hit there (counted in ``num_token_mismatches``) — defence in depth should two
+prefixes ever share a hash.
+
 The cache holds one pool reference on each cached block; every request whose prefix uses a node
 holds another and one ``lock_ref`` on it (a request locks the whole path from the root), so for
 every cached block ``ref_count(block) == 1 + lock_ref(node)`` (checked by the tests).
@@ -19,6 +24,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+import numpy as np
+
 from kvbalance.kvcache.blocks import BlockPool
 
 # the hashes live in hashing.py; importers of kvbalance.kvcache.prefix keep getting them here
@@ -27,12 +34,25 @@ from kvbalance.kvcache.hashing import request_block_hashes as request_block_hash
 
 
 class RadixNode:
-    __slots__ = ("key", "hashes", "block_ids", "parent", "children", "lock_ref", "last_access", "alive")
+    __slots__ = (
+        "key",
+        "hashes",
+        "block_ids",
+        "tokens",
+        "parent",
+        "children",
+        "lock_ref",
+        "last_access",
+        "alive",
+    )
 
-    def __init__(self, hashes: list[int], block_ids: list[int], parent) -> None:
+    def __init__(
+        self, hashes: list[int], block_ids: list[int], parent, tokens: bytearray | None = None
+    ) -> None:
         self.key = hashes[0] if hashes else None
         self.hashes = hashes
         self.block_ids = block_ids
+        self.tokens = tokens  # the blocks' tokens as int64 bytes (None: inserted without them, not checked)
         self.parent = parent
         self.children: dict[int, RadixNode] = {}
         self.lock_ref = 0
@@ -67,6 +87,7 @@ class RadixCache:
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
         self.block_size = pool.block_size
+        self._width = 8 * pool.block_size  # bytes of one block's tokens
         self.root = RadixNode([], [], None)
         self.root.lock_ref = 1  # never evicted, never counted
         self._heap: list[tuple[int, int, RadixNode]] = []
@@ -76,6 +97,7 @@ class RadixCache:
         self.evictable_blocks = 0  # cached blocks in nodes with lock_ref == 0
         self.protected_blocks = 0  # cached blocks in nodes some request has locked
         self.num_evicted = 0
+        self.num_token_mismatches = 0  # hits by hash refused because the cached tokens differ
 
     # -- sizes ------------------------------------------------------------------
     @property
@@ -123,7 +145,13 @@ class RadixCache:
 
     def _split(self, node: RadixNode, k: int) -> RadixNode:
         """Cut ``node`` after its first ``k`` blocks; return the new upper part (same locks and stamp)."""
-        upper = RadixNode(node.hashes[:k], node.block_ids[:k], node.parent)
+        cut = k * self._width
+        tokens = node.tokens
+        upper = RadixNode(
+            node.hashes[:k], node.block_ids[:k], node.parent, None if tokens is None else tokens[:cut]
+        )
+        if tokens is not None:
+            del tokens[:cut]
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         node.parent.children[upper.key] = upper
@@ -169,6 +197,35 @@ class RadixCache:
             self._push(node)
         return node, i
 
+    def verify_tokens(self, node: RadixNode, num_blocks: int, tokens: bytes) -> tuple[RadixNode, int]:
+        """Check a hit (``match_prefix``'s answer) against the request's tokens; return the verified part.
+
+        ``tokens`` are the request's first ``num_blocks`` blocks of tokens as ``hashing.token_bytes``. The
+        path is compared node by node; at the first block whose cached tokens differ the hit ends (the node
+        is split there) and ``num_token_mismatches`` counts one refused lookup.
+        """
+        path = []
+        n = node
+        while n is not self.root:
+            path.append(n)
+            n = n.parent
+        w = self._width
+        off = 0
+        for n in reversed(path):
+            size = len(n.block_ids)
+            if n.tokens is not None:
+                mine = tokens[off * w : (off + size) * w]
+                if n.tokens != mine:
+                    self.num_token_mismatches += 1
+                    a = np.frombuffer(n.tokens, dtype=np.uint8)
+                    b = np.frombuffer(mine, dtype=np.uint8)
+                    j = int(np.flatnonzero(a[: len(b)] != b[: len(a)])[0]) // w if len(a) == len(b) else 0
+                    if j == 0:
+                        return (n.parent, off)
+                    return self._split(n, j), off + j
+            off += size
+        return node, num_blocks
+
     def lock(self, node: RadixNode) -> None:
         """Lock the path from the root to ``node`` (one request's use of that prefix)."""
         root = self.root
@@ -199,11 +256,17 @@ class RadixCache:
 
     # -- insertion --------------------------------------------------------------
     def extend(
-        self, node: RadixNode, start: int, hashes: Sequence[int], block_ids: Sequence[int]
+        self,
+        node: RadixNode,
+        start: int,
+        hashes: Sequence[int],
+        block_ids: Sequence[int],
+        tokens: bytes | None = None,
     ) -> tuple[RadixNode, list[int]]:
         """Cache blocks ``[start, len(hashes))`` below ``node`` for a caller that holds a lock on it.
 
-        ``node`` ends at block ``start`` of the caller's sequence (the root when ``start == 0``).
+        ``node`` ends at block ``start`` of the caller's sequence (the root when ``start == 0``); ``tokens``
+        are those blocks' tokens (``hashing.token_bytes``), kept with the new blocks for :meth:`verify_tokens`.
         Blocks whose prefix is cached already are shared; the rest are added with a pool reference
         each. Returns the new deepest node — the caller's lock now covers the path to it — and the
         cached block ids of ``[start, len(hashes))``: where one differs from ``block_ids``, another
@@ -230,11 +293,24 @@ class RadixCache:
             new_blocks = list(block_ids[i:n])
             self.pool.incref(new_blocks)
             self.protected_blocks += len(new_blocks)
-            if node is not self.root and not node.children and node.lock_ref == 1:
+            w = self._width
+            new_tokens = None if tokens is None else bytearray(tokens[(i - start) * w : (n - start) * w])
+            if new_tokens is not None and len(new_tokens) != (n - i) * w:
+                raise ValueError(
+                    f"tokens: need {(n - start) * w} bytes for blocks {start}..{n}, got {len(tokens)}"
+                )
+            if (
+                node is not self.root
+                and not node.children
+                and node.lock_ref == 1
+                and (node.tokens is None) == (new_tokens is None)
+            ):
                 node.hashes.extend(hashes[i:n])  # only the caller uses this leaf: grow it in place
                 node.block_ids.extend(new_blocks)
+                if new_tokens is not None:
+                    node.tokens += new_tokens
             else:
-                child = RadixNode(list(hashes[i:n]), new_blocks, node)
+                child = RadixNode(list(hashes[i:n]), new_blocks, node, new_tokens)
                 child.lock_ref = 1
                 node.children[child.key] = child
                 self._num_nodes += 1
@@ -243,9 +319,11 @@ class RadixCache:
             out.extend(new_blocks)
         return node, out
 
-    def insert(self, hashes: Sequence[int], block_ids: Sequence[int]) -> tuple[RadixNode, list[int]]:
+    def insert(
+        self, hashes: Sequence[int], block_ids: Sequence[int], tokens: bytes | None = None
+    ) -> tuple[RadixNode, list[int]]:
         """Cache a whole sequence's blocks without keeping a lock (see :meth:`extend`)."""
-        node, out = self.extend(self.root, 0, hashes, block_ids)
+        node, out = self.extend(self.root, 0, hashes, block_ids, tokens)
         if node is not self.root:
             self.unlock(node)
         return node, out
@@ -275,6 +353,8 @@ class RadixCache:
                 to_free.extend(node.block_ids[-k:])
                 del node.block_ids[-k:]
                 del node.hashes[-k:]
+                if node.tokens is not None:
+                    del node.tokens[-k * self._width :]
                 self._seq += 1
                 heapq.heappush(heap, (stamp, self._seq, node))
             self.evictable_blocks -= k
@@ -326,6 +406,8 @@ class RadixCache:
             else:
                 del node.block_ids[cut:]
                 del node.hashes[cut:]
+                if node.tokens is not None:
+                    del node.tokens[cut * self._width :]
                 self._push(node)  # a leaf now
         self._num_nodes -= nodes_removed
         self.evictable_blocks -= len(freed)
@@ -349,6 +431,10 @@ class RadixCache:
             nodes += 1
             if not node.alive or not node.block_ids or len(node.hashes) != len(node.block_ids):
                 raise AssertionError(f"{node}: dead, empty or ragged node in the tree")
+            if node.tokens is not None and len(node.tokens) != len(node.block_ids) * self._width:
+                raise AssertionError(
+                    f"{node}: {len(node.tokens)} token bytes for {len(node.block_ids)} blocks"
+                )
             if node.key != node.hashes[0] or node.parent.children.get(node.key) is not node:
                 raise AssertionError(f"{node}: stored under a foreign key")
             if node.lock_ref < 0:

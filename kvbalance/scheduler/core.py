@@ -39,7 +39,7 @@ class Scheduler(RequestControl):
     ) -> None:
         self.config = config
         if isinstance(kv, BlockPool):
-            kv = KVCacheManager(kv, config.enable_prefix_caching)
+            kv = KVCacheManager(kv, config.enable_prefix_caching, config.block_hasher())
         self.kv = kv
         self.pool = kv.pool
         self.cache = kv.cache
