@@ -24,6 +24,8 @@ COMMANDS = {
     "profile": "profile",
     "offline": "offline",
     "calibrate": "calibrate",
+    "sweep": "sweep",
+    "search": "search",
 }
 
 
