@@ -35,6 +35,12 @@ def add_parser(sub) -> None:
         help="at shutdown, how long requests in flight may finish before they end with an error",
     )
     p.add_argument("--kv-tokens", type=int, default=65_536)
+    from kvbalance.kvcache.hashing import DEFAULT_HASH_ALGO, HASH_ALGOS
+
+    p.add_argument("--prefix-caching-hash-algo", default=DEFAULT_HASH_ALGO, choices=HASH_ALGOS,
+                   help="how prefix-cache blocks are named (sha256; blake2b keyed by the salt; poly64 is not collision resistant)")  # fmt: skip
+    p.add_argument("--prefix-caching-salt", default=os.environ.get("KVBALANCE_PREFIX_CACHING_SALT", ""),
+                   help="per-deployment salt every block hash covers (default: $KVBALANCE_PREFIX_CACHING_SALT)")  # fmt: skip
     from kvbalance.llm.engine import (  # light: no torch at import
         DEFAULT_MAX_NUM_BATCHED_TOKENS,
         DEFAULT_MAX_NUM_SEQS,
@@ -72,5 +78,7 @@ def run(args) -> int:
         dtype=args.dtype,
         num_threads=args.threads,
         cpu_cores=args.cpu_cores,
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        prefix_caching_salt=args.prefix_caching_salt,
     )
     return 0

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 
 from kvbalance.engine import InstanceConfig, build_instance
+from kvbalance.kvcache.hashing import DEFAULT_HASH_ALGO, BlockHasher
 from kvbalance.llm.text import Detokenizer, emit_delta, find_stop
 from kvbalance.request import Request, SamplingParams
 
@@ -133,6 +134,11 @@ class LLMEngine:
 
     ``connector`` (a ``kvcache.connector.KVConnector``, default none) is the KV connector's scheduler half,
     for KV that comes from or goes to outside (a cluster's P/D hand-off or global store).
+
+    ``prefix_caching_hash_algo`` (vLLM's name) names the prefix cache's blocks: ``sha256`` (default) or
+    ``blake2b`` keyed by ``prefix_caching_salt`` (see ``kvcache.hashing``); every block's hash covers the
+    salt and what made its KV (model, dtype, the seed of random weights), and a hit is also checked
+    against the cached tokens.
     """
 
     def __init__(
@@ -152,9 +158,13 @@ class LLMEngine:
         seed: int = 0,
         max_model_len: int | None = None,
         connector=None,
+        prefix_caching_hash_algo: str = DEFAULT_HASH_ALGO,
+        prefix_caching_salt: str = "",
     ) -> None:
         from kvbalance.executor.torch import TorchExecutor, resolve_dtype
         from kvbalance.model.weights import load_model
+
+        BlockHasher(prefix_caching_hash_algo, prefix_caching_salt)  # a bad algo or salt fails before loading
 
         if block_size is None:
             # CPU decode attention reads each block of each KV head as one run: 64-token blocks keep the
@@ -191,6 +201,10 @@ class LLMEngine:
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=enable_prefix_caching,
             max_context=max_ctx,
+            prefix_caching_hash_algo=prefix_caching_hash_algo,
+            prefix_caching_salt=prefix_caching_salt,
+            # what else the KV depends on: the weights (random ones by their seed) and the dtype
+            prefix_caching_model=f"{model}|{self.dtype}" + (f"|seed={seed}" if self.random_weights else ""),
         )
         self.instance = build_instance(icfg, self.executor, connector)
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
