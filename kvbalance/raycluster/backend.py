@@ -11,8 +11,8 @@ streams: tokens (detokenised and stop-string checked here, as ``LLMEngine.step``
 (the decode router picks a decode actor, which gets the prompt, the first token and the KV's ObjectRef),
 failed loads and migration replies (``migration.LiveMigrations``).
 
-Faults: a step call that raises (the actor died or broke) takes the instance out (routers rebuilt over the
-live ones, its store pins dropped, migrations with it ended) and each of its requests is retried on
+Faults: a step call that raises (the actor died or broke) takes the instance out (the routers pick among the
+live ones from then on, its store pins dropped, migrations with it ended) and each of its requests is retried on
 another instance if nothing was streamed yet (at most ``MAX_RETRIES`` times), else failed with an
 :class:`InstanceError` naming the instance (``server.backend.RequestFailed``: the client's stream ends with
 that error). The other instances' requests go on untouched.
@@ -197,10 +197,15 @@ class ClusterBackend:
     # -- requests (engine thread) ------------------------------------------------------------------
     def _build_routers(self) -> None:
         cfg, bs = self.config, self._block_size
-        self.frontends = self.live(("colocated", "prefill"))
-        self.decoders = self.live(("decode",))
         self.router = build_router(cfg.router, bs, **cfg.router_options)
         self.decode_router = build_router(cfg.decode_router, bs)
+        self._candidates()
+
+    def _candidates(self) -> None:
+        """The live instances each router picks among (routers key their state by instance name, so an
+        instance leaving keeps the others' state with them)."""
+        self.frontends = self.live(("colocated", "prefill"))
+        self.decoders = self.live(("decode",))
 
     def rejection_reason(self, req: Request) -> str | None:
         need = req.num_prompt_tokens + req.max_tokens
@@ -413,7 +418,7 @@ class ClusterBackend:
             s.error = f"{type(exc).__name__}: {exc}"[:500]
             self.counters["instance_failures"] += 1
         s.outbox, s.queued, s.sent = [], {}, {}
-        self._build_routers()
+        self._candidates()
         self.migrations.on_death(s.index)
         if self.store is not None:
             self.store.release_owner.remote(s.name)

@@ -86,6 +86,8 @@ class EngineArgs(BaseModel):
     seed: int = 0
     max_model_len: int | None = Field(None, ge=1)
     threads: int | None = Field(None, ge=1)  # per instance; default: one per core of its cpu_cores
+    prefix_caching_hash_algo: str | None = None  # LLMEngine's defaults when None
+    prefix_caching_salt: str | None = None
 
     @field_validator("dtype")
     @classmethod
@@ -104,6 +106,8 @@ class EngineArgs(BaseModel):
             "device": self.device,
             "seed": self.seed,
             "max_model_len": self.max_model_len,
+            "prefix_caching_hash_algo": self.prefix_caching_hash_algo,
+            "prefix_caching_salt": self.prefix_caching_salt,
         }
 
 

@@ -105,7 +105,7 @@ class ActorConnector:
         import ray
 
         bs = self.instance.pool.block_size
-        hashes = prompt_hashes(request, bs, request.num_prompt_tokens - 1)
+        hashes = prompt_hashes(request, bs, request.num_prompt_tokens - 1, self.instance.kv.hasher)
         stored = ray.get(self.store.match_pin.remote(self.name, rid, hashes)) if hashes else 0
         external = stored * bs - num_computed_tokens
         if external <= 0:
