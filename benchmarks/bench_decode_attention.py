@@ -5,9 +5,12 @@ previous one's blocks in cache) of B sequences at one context length; the caches
 each (1,024 blocks of 64) in the engine's layout (``[layers, 2, kv_heads, blocks, block_size,
 head_dim]``, bf16) and every sequence's blocks are drawn at random from them, as the engine's are.
 Queries are bf16 (a bf16 model). Prints CPU ms per step (best and median of the repeats) and the
-rate at which K/V are read (bytes of K and V the step attends / CPU time), for each kernel variant:
-``dot`` (bf16 dot products, where the CPU has avx512_bf16), ``widen`` (K widened to float32) and,
-with ``--baseline REV``, the kernel in ``kvbalance/model/native.py`` at git revision REV.
+rate at which K/V are read (bytes of K and V the step attends / CPU time), for each variant: ``amx``
+(where the CPU has AMX-BF16), ``widen`` (the vector kernel, K widened to float32), ``torch`` (what the
+engine runs without the kernel: each sequence's blocks gathered, a few sequences at a time, then
+``scaled_dot_product_attention``; ``--no-torch`` leaves it out) and, with ``--baseline REV``, the kernel at
+git revision REV (``kvbalance/model/native.py`` and ``kvbalance/native/``, so a revision that has the C
+files). The last column is each variant's median over the first one's.
 
 Run pinned to one core: taskset -c 1 .venv/bin/python benchmarks/bench_decode_attention.py
 [--baseline main] [--repeats 7] [--steps 5]
@@ -17,17 +20,20 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kvbalance.executor import hugepages
-from kvbalance.model import native
+from kvbalance.model import cbuild, llama, native
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 30, 3, 3, 64, 64, 1024
 # (batch, context tokens); 300 and 600 end each unit in a short window (256-key windows)
@@ -35,21 +41,47 @@ SHAPES = [(16, 200), (16, 1000), (64, 200), (64, 300), (64, 600), (64, 1000)]
 
 
 def load_baseline(rev: str):
-    """native.py as it was at git revision ``rev``, imported as a separate module."""
+    """native.py and the C kernels as they were at git revision ``rev``, imported as a separate module
+    whose library (this benchmark's shape) is built from that revision's C files."""
     root = Path(__file__).resolve().parents[1]
-    src = subprocess.run(
-        ["git", "show", f"{rev}:kvbalance/model/native.py"],
+    tar = subprocess.run(
+        ["git", "archive", rev, "kvbalance/model/native.py", "kvbalance/native"],
         cwd=root,
         capture_output=True,
-        text=True,
         check=True,
     ).stdout
-    path = Path(tempfile.mkdtemp()) / "native_baseline.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("native_baseline", path)
+    tmp = Path(tempfile.mkdtemp())
+    tarfile.open(fileobj=io.BytesIO(tar)).extractall(tmp, filter="data")
+    spec = importlib.util.spec_from_file_location("native_baseline", tmp / "kvbalance/model/native.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    current, cbuild.NATIVE_DIR = cbuild.NATIVE_DIR, tmp / "kvbalance/native"
+    try:  # built now, from the revision's files; later calls find it in the module's cache
+        if mod.native_library(GROUP, HEAD_DIM, torch.bfloat16, torch.bfloat16) is None:
+            sys.exit(f"--baseline {rev}: the kernel at that revision does not build")
+    finally:
+        cbuild.NATIVE_DIR = current
     return mod
+
+
+def torch_attention(q, k_cache, v_cache, table, ctx, scale):
+    """The engine's decode attention without the kernel (``Attention._attend``): whole blocks gathered a
+    few sequences at a time (``llama.GATHER_BUDGET_BYTES``), keys past each context masked, SDPA."""
+    b, kvh, g, hd = q.shape
+    nb, bs = table.shape[1], k_cache.shape[2]
+    positions = torch.arange(nb * bs)
+    bias = torch.zeros(b, 1, 1, nb * bs, dtype=q.dtype).masked_fill(
+        (positions[None, :] >= ctx[:, None])[:, None, None, :], float("-inf")
+    )
+    step = max(1, llama.GATHER_BUDGET_BYTES // (2 * nb * bs * kvh * hd * k_cache.element_size()))
+    outs = []
+    for s in range(0, b, step):
+        e = min(b, s + step)
+        blocks = table[s:e].reshape(-1)
+        kc = k_cache.view(kvh, -1, bs * hd).index_select(1, blocks).view(kvh, e - s, -1, hd).transpose(0, 1)
+        vc = v_cache.view(kvh, -1, bs * hd).index_select(1, blocks).view(kvh, e - s, -1, hd).transpose(0, 1)
+        outs.append(F.scaled_dot_product_attention(q[s:e], kc, vc, attn_mask=bias[s:e], scale=scale))
+    return torch.cat(outs)
 
 
 def make_step(batch: int, context: int, cache: torch.Tensor, gen: torch.Generator) -> list[tuple]:
@@ -73,13 +105,15 @@ def time_step(fn, calls: list[tuple], steps: int) -> float:
     return (time.process_time() - t0) / steps
 
 
-def variants(baseline) -> dict:
+def variants(baseline, with_torch: bool) -> dict:
     out = {}
-    if baseline is not None:
-        out["baseline"] = baseline.paged_decode_attention
     if native.has_amx():
         out["amx"] = lambda *a: native.paged_decode_attention(*a, amx=True)
     out["widen"] = lambda *a: native.paged_decode_attention(*a, amx=False)
+    if baseline is not None:
+        out["baseline"] = baseline.paged_decode_attention
+    if with_torch:
+        out["torch"] = torch_attention
     return out
 
 
@@ -89,6 +123,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3, help="steps per repeat")
     ap.add_argument("--small-pages", action="store_true", help="4 KiB pages (the engine uses huge pages)")
+    ap.add_argument("--no-torch", action="store_true", help="leave out the engine's path without the kernel")
     args = ap.parse_args()
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
@@ -97,12 +132,15 @@ def main() -> None:
     if args.small_pages:
         cache = torch.zeros(shape, dtype=torch.bfloat16)
     cache.copy_(torch.randn(shape, generator=gen) * 0.5)
-    fns = variants(load_baseline(args.baseline) if args.baseline else None)
+    fns = variants(load_baseline(args.baseline) if args.baseline else None, not args.no_torch)
     print(
         f"layers {LAYERS}, kv_heads {KV_HEADS}, group {GROUP}, head_dim {HEAD_DIM}, bf16 KV and q, "
         f"{NUM_BLOCKS} blocks of {BLOCK_SIZE} per layer; CPU ms per step, best / median of {args.repeats}"
     )
-    print(f"{'B':>4} {'ctx':>5} {'MB/step':>8}  " + "  ".join(f"{n:>22}" for n in fns))
+    first = next(iter(fns))
+    print(
+        f"{'B':>4} {'ctx':>5} {'MB/step':>8}  " + "  ".join(f"{n:>22}" for n in fns) + f"  x/{first} (median)"
+    )
     for batch, context in SHAPES:
         calls = make_step(batch, context, cache, gen)
         ref = None
@@ -120,7 +158,9 @@ def main() -> None:
         for name in fns:
             best, med = min(times[name]), statistics.median(times[name])
             cells.append(f"{1e3 * best:6.1f} /{1e3 * med:6.1f} ms {mb / 1e3 / best:4.1f} GB/s")
-        print(f"{batch:>4} {context:>5} {mb:>8.1f}  " + "  ".join(f"{c:>22}" for c in cells))
+        base = statistics.median(times[first])
+        ratios = " ".join(f"{n} {statistics.median(times[n]) / base:.2f}x" for n in fns if n != first)
+        print(f"{batch:>4} {context:>5} {mb:>8.1f}  " + "  ".join(f"{c:>22}" for c in cells) + "  " + ratios)
 
 
 if __name__ == "__main__":

@@ -208,11 +208,18 @@ def test_amx_switch(monkeypatch):
     assert lib is not None and not lib.amx  # the float32-query build has no AMX path
 
 
-def test_a_compiler_without_amx_builds_the_portable_kernel(monkeypatch, tmp_path):
-    """A compiler that rejects the AMX flags: the portable kernel alone is built (the failure is
-    remembered, so later processes do not retry it) and bf16 attention still runs."""
+def test_a_compiler_without_amx_builds_the_portable_kernel(monkeypatch, tmp_path, caplog):
+    """On an AMX CPU, a compiler that rejects the AMX flags: one warning names the kernel and the
+    fallback, the portable kernel alone is built (the failure is remembered, so later processes do not
+    retry it) and bf16 attention still runs."""
+    import logging
     import shutil
 
+    from kvbalance.model import cbuild
+
+    monkeypatch.setattr(cbuild, "cpu_has", lambda *features: True)  # as if this CPU had AMX
+    monkeypatch.setattr(cbuild, "_warned", set())
+    caplog.set_level(logging.WARNING, logger="kvbalance.model.cbuild")
     cc = tmp_path / "cc"
     real = shutil.which("gcc") or shutil.which("cc")
     cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -mamx-tile ] && exit 1; done\nexec {real} "$@"\n')
@@ -223,6 +230,12 @@ def test_a_compiler_without_amx_builds_the_portable_kernel(monkeypatch, tmp_path
     lib = native.native_library(3, 64, torch.bfloat16, torch.bfloat16)
     assert lib is not None and not lib.amx and not native.has_amx()
     assert len(list((tmp_path / "cache" / "native").glob("*_amx_*.failed"))) == 1
+    warned = [r.getMessage() for r in caplog.records]
+    assert (
+        len(warned) == 1
+        and "paged_attention_g3_d64_bb_amx" in warned[0]
+        and "the portable kernel" in warned[0]
+    )
     q, k, v, table, ctx = _bf16_case(9, 3, 64, 64, [3, 70])
     ref = _reference(q.double(), k.double(), v.double(), table, ctx, 0.125)
     out = native.paged_decode_attention(q, k, v, table, ctx, 0.125)

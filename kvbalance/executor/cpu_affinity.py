@@ -18,23 +18,6 @@ import ctypes
 import os
 import threading
 
-_BIND_SOURCE = r"""
-#define _GNU_SOURCE
-#include <omp.h>
-#include <sched.h>
-/* pins OpenMP thread i of the calling thread's team of n to cores[i]; returns how many pins failed */
-int bind_omp_threads(const int *cores, int n) {
-    int failed = 0;
-    #pragma omp parallel num_threads(n) reduction(+ : failed)
-    {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(cores[omp_get_thread_num()], &set);
-        failed += sched_setaffinity(0, sizeof set, &set) != 0;
-    }
-    return failed;
-}
-"""
 _lib: list[ctypes.CDLL | None] = []
 _lock = threading.Lock()
 
@@ -89,7 +72,8 @@ def _bind_library() -> ctypes.CDLL | None:
 
     with _lock:
         if not _lib:
-            lib = cbuild.load("cpu_bind", _BIND_SOURCE)
+            fallback = "binding the process to the core set as a whole (threads not pinned one per core)"
+            lib = cbuild.load("cpu_bind", ("cpu_bind.c",), fallback=fallback)  # kvbalance/native/cpu_bind.c
             if lib is not None:
                 lib.bind_omp_threads.argtypes = (ctypes.POINTER(ctypes.c_int), ctypes.c_int)
                 lib.bind_omp_threads.restype = ctypes.c_int

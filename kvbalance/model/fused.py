@@ -32,8 +32,9 @@ model on the CPU takes it): the residual add is exact, RMSNorm within a few floa
 torch's float32 element-wise ops (``F.rms_norm`` alone ~290 us a call at 64 x 576); with these, the torch ops
 left take ~5 ms (torch.profiler; the kernels' own time is not in that figure: one pass over the rows each).
 
-The library is compiled on first use (:mod:`kvbalance.model.cbuild`); where it is unavailable (no
-compiler, ``KVBALANCE_NATIVE=0``) :func:`library` is None and the model runs its PyTorch code.
+The C source is ``kvbalance/native/fused.c``, compiled on first use (:mod:`kvbalance.model.cbuild`); where
+it is unavailable (no compiler or a failed build, each logged once as a warning, or ``KVBALANCE_NATIVE=0``)
+:func:`library` is None and the model runs its PyTorch code.
 """
 
 from __future__ import annotations
@@ -44,17 +45,23 @@ import threading
 import torch
 
 from kvbalance.model import cbuild
-from kvbalance.model.fused_src import SOURCE as _SOURCE
 
 # -ffp-contract=off: no fused multiply-adds, so each kernel rounds where torch's float32 composition does
 FLAGS = (*cbuild.DEFAULT_FLAGS, "-ffp-contract=off")
 DTYPES = (torch.bfloat16, torch.float32)
+SOURCES = ("fused.c",)
+FALLBACK = "PyTorch's element-wise ops (RMSNorm, SiLU, RoPE, argmax)"
 _libs: dict[torch.dtype, ctypes.CDLL | None] = {}
 _lock = threading.Lock()
 
 
-def _load(name: str = "fused", flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL | None:
-    lib = cbuild.load(name, _SOURCE, flags)
+def build_flags(dtype: torch.dtype) -> tuple[str, ...]:
+    """The compiler flags of the library for rows of ``dtype`` (bfloat16, or float32: ``-DELEM_F32=1``)."""
+    return (*FLAGS, "-DELEM_F32=1") if dtype == torch.float32 else FLAGS
+
+
+def _load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    lib = cbuild.load(name, SOURCES, flags, FALLBACK)
     if lib is None:
         return None
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -77,8 +84,8 @@ def library(dtype: torch.dtype = torch.bfloat16) -> ctypes.CDLL | None:
     if dtype not in _libs:
         with _lock:
             if dtype not in _libs:
-                f32 = dtype == torch.float32
-                _libs[dtype] = _load("fused_f32", (*FLAGS, "-DELEM_F32=1")) if f32 else _load()
+                name = "fused_f32" if dtype == torch.float32 else "fused"
+                _libs[dtype] = _load(name, build_flags(dtype))
     return _libs[dtype]
 
 

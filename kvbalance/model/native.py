@@ -17,16 +17,17 @@ previous kernel.
 Where the CPU has AMX-BF16 and both the queries and the cache are bfloat16 (a bf16 model), the
 scores come from AMX tile products read straight from the cache rows and each thread runs its
 sequences as one pipeline (the next window of keys prefetched and scored while this one is
-weighted): :mod:`kvbalance.model.native_amx`. The portable kernel stays the path everywhere else,
+weighted): ``kvbalance/native/decode_attention_amx.c``. The portable kernel stays the path everywhere else,
 and ``KVBALANCE_NATIVE_AMX=0`` (or ``amx=False``) keeps it on an AMX machine too.
 
-It is compiled with the system C compiler on first use for each shape (~2 CPU seconds, cached by
-source hash in ``$KVBALANCE_CACHE`` or ``~/.cache/kvbalance``) and loaded with ctypes; where no
-compiler is available (it needs GCC >= 12 or Clang for ``__builtin_shufflevector``), or
+It is compiled with the system C compiler on first use for each shape (~2 CPU seconds, cached; see
+:mod:`kvbalance.model.cbuild`) and loaded with ctypes; where no compiler is available (it needs GCC >= 12
+or Clang for ``__builtin_shufflevector``) or the build fails (one warning is logged), or
 ``KVBALANCE_NATIVE=0``, callers fall back to the PyTorch path. The cache is float32 or bfloat16 (a
 bf16 cache is widened to float32 in registers as it is read: half the bytes, the same float32
-arithmetic); the head dim must be a multiple of 16. The C source is in
-:mod:`kvbalance.model.native_src` and :mod:`kvbalance.model.native_amx`.
+arithmetic); the head dim must be a multiple of 16. The C source is ``kvbalance/native/decode_attention.c``
+(the portable kernel and the entry points) with ``decode_attention_amx.c``, ``decode_attention_avx2.c``
+and the shared ``decode_attention.h``.
 """
 
 from __future__ import annotations
@@ -38,11 +39,9 @@ import threading
 import torch
 
 from kvbalance.model import cbuild
-from kvbalance.model.native_amx import AMX_SOURCE
-from kvbalance.model.native_avx2 import AVX2_SOURCE
-from kvbalance.model.native_src import ENTRY_SOURCE, KERNEL_SOURCE
 
-_SOURCE = KERNEL_SOURCE + AMX_SOURCE + AVX2_SOURCE + ENTRY_SOURCE
+SOURCES = ("decode_attention.c", "decode_attention_amx.c", "decode_attention_avx2.c")
+FALLBACK = "PyTorch's attention over a gathered copy of the cache"
 _AMX_FLAGS = ("-DHAVE_AMX=1", "-mamx-tile", "-mamx-bf16")
 
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 16, 256, 256
@@ -52,15 +51,27 @@ _libs: dict[tuple[int, int, bool, bool], ctypes.CDLL | None] = {}
 KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def build_flags(group: int, head_dim: int, kv_bf16: bool, io_bf16: bool, amx: bool) -> tuple[str, ...]:
+    """The compiler flags of the library for one shape: the AMX path compiled in where ``amx``."""
+    shape = (
+        f"-DGROUP={group}",
+        f"-DNVEC={head_dim // 16}",
+        f"-DKV_BF16={int(kv_bf16)}",
+        f"-DIO_BF16={int(io_bf16)}",
+    )
+    return (*_FLAGS, *shape, *(_AMX_FLAGS if amx else ("-DHAVE_AMX=0",)))
+
+
 def _build(group: int, head_dim: int, kv_bf16: bool, io_bf16: bool) -> ctypes.CDLL | None:
-    types = (f"-DKV_BF16={int(kv_bf16)}", f"-DIO_BF16={int(io_bf16)}")
-    flags = (*_FLAGS, f"-DGROUP={group}", f"-DNVEC={head_dim // 16}", *types)
     kind = "".join("b" if x else "f" for x in (kv_bf16, io_bf16))
     name = f"paged_attention_g{group}_d{head_dim}_{kind}"
-    # the AMX path where the compiler knows AMX (and AVX-512); the portable kernel alone otherwise
-    out = cbuild.build(name + "_amx", _SOURCE, (*flags, *_AMX_FLAGS), remember_failure=True) or cbuild.build(
-        name, _SOURCE, (*flags, "-DHAVE_AMX=0")
-    )
+    out = None
+    # the AMX path where the CPU has AMX (the build then also holds the portable kernel); else without it
+    if kv_bf16 and io_bf16 and cbuild.cpu_has("amx_bf16", "avx512f"):
+        flags = build_flags(group, head_dim, kv_bf16, io_bf16, amx=True)
+        out = cbuild.build(name + "_amx", SOURCES, flags, "the portable kernel", remember_failure=True)
+    if out is None:
+        out = cbuild.build(name, SOURCES, build_flags(group, head_dim, kv_bf16, io_bf16, amx=False), FALLBACK)
     if out is None:
         return None
     lib = ctypes.CDLL(str(out))
@@ -71,9 +82,11 @@ def _build(group: int, head_dim: int, kv_bf16: bool, io_bf16: bool) -> ctypes.CD
     lib.write_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64]
     lib.write_kv.restype = None
     lib.amx_available.restype = ctypes.c_int
-    lib.amx = bool(lib.amx_available())  # cpuid says AMX-BF16 and the OS granted tile data
+    lib.amx = bool(
+        lib.amx_available()
+    )  # compiled in for this shape, cpuid says AMX-BF16, the OS granted tiles
     lib.attention_avx2.restype = ctypes.c_int
-    lib.avx2 = bool(lib.attention_avx2())  # built for AVX2 without AVX-512: native_avx2's kernel
+    lib.avx2 = bool(lib.attention_avx2())  # built for AVX2 without AVX-512: decode_attention_avx2.c's kernel
     return lib
 
 

@@ -1,7 +1,7 @@
 """Flash-attention kernels for one prefill chunk over the paged bfloat16 KV cache (CPU): AMX, and on CPUs
-with AVX512-BF16 but no AMX (AMD Zen 4) the vector kernel of :mod:`kvbalance.model.native_prefill_avx512`
+with AVX512-BF16 but no AMX (AMD Zen 4) the vector kernel of ``kvbalance/native/prefill_attention_avx512.c``
 (same entry point; ~100-117 vs SDPA's 33-59 GFLOP/s on one Zen 4 core). The rest of this docstring is the
-AMX kernel's.
+AMX kernel's (``kvbalance/native/prefill_attention_amx.c``).
 
 The chunk's queries ``q`` [n, heads, 64] (bf16, rows of any stride: the view out of the fused QKV
 output) at positions ``q_start .. q_start + n - 1`` attend causally to keys ``0 .. q_start + n - 1``,
@@ -13,7 +13,7 @@ FlashAttention-2 (Dao 2023, Algorithm 1) on AMX tiles. One unit is 16 queries of
 blocks of 64 keys (those wholly above the diagonal skipped) run in three phases:
 
 - scores ``S^T = K Q^T`` [16 keys x 16 queries]: the cache rows are the A tile (loaded in place with
-  the row stride, as the decode kernel in :mod:`kvbalance.model.native_amx` does) and the queries,
+  the row stride, as the decode kernel in ``decode_attention_amx.c`` does) and the queries,
   repacked once per unit into the VNNI pair layout, the B tile; ``tdpbf16ps`` (bf16 products exact in
   float32, float32 sums);
 - online softmax in float32 with the 16 queries as the 16 vector lanes (maxima and sums need no
@@ -53,13 +53,22 @@ import threading
 import torch
 
 from kvbalance.model import cbuild
-from kvbalance.model.native_prefill_avx512 import PREFILL_AVX512_SOURCE
-from kvbalance.model.native_prefill_src import PREFILL_SOURCE as _SOURCE
 
 HEAD_DIM = 64
-
-
-_FLAGS = (*cbuild.DEFAULT_FLAGS, "-mamx-tile", "-mamx-bf16")
+FALLBACK = "PyTorch's scaled_dot_product_attention over a gathered copy of the cache"
+AMX_SOURCES, AVX512_SOURCES = ("prefill_attention_amx.c",), ("prefill_attention_avx512.c",)
+# the instructions each needs whatever -march=native says (amx_available() / avx512_bf16_available()
+# check the CPU before it runs)
+AMX_FLAGS = (
+    *cbuild.DEFAULT_FLAGS,
+    "-mamx-tile",
+    "-mamx-bf16",
+    "-mavx512f",
+    "-mavx512bw",
+    "-mavx512vl",
+    "-mavx512bf16",
+)
+AVX512_FLAGS = (*cbuild.DEFAULT_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | None] = {}
 
@@ -78,8 +87,7 @@ def amx_library() -> ctypes.CDLL | None:
 
 
 def avx512_library() -> ctypes.CDLL | None:
-    """The AVX-512 BF16 kernel of :mod:`kvbalance.model.native_prefill_avx512` (``.avx512``: whether it
-    runs here), or None where it cannot be built."""
+    """The AVX-512 BF16 kernel (``.avx512``: whether it runs here), or None where it cannot be built."""
     return _cached("avx512", _build_avx512)
 
 
@@ -112,7 +120,10 @@ def _load(out) -> ctypes.CDLL | None:
 
 
 def _build_amx() -> ctypes.CDLL | None:
-    lib = _load(cbuild.build("paged_prefill_amx", _SOURCE, _FLAGS, remember_failure=True))
+    if not cbuild.cpu_has("amx_bf16", "avx512_bf16"):  # elsewhere it could never run
+        return None
+    fallback = "the AVX512-BF16 kernel or " + FALLBACK
+    lib = _load(cbuild.build("paged_prefill_amx", AMX_SOURCES, AMX_FLAGS, fallback, remember_failure=True))
     if lib is not None:
         lib.amx_available.restype = ctypes.c_int
         lib.amx = bool(lib.amx_available())  # cpuid says AMX-BF16 and the OS granted tile data
@@ -121,7 +132,9 @@ def _build_amx() -> ctypes.CDLL | None:
 
 
 def _build_avx512() -> ctypes.CDLL | None:
-    lib = _load(cbuild.build("paged_prefill_avx512", PREFILL_AVX512_SOURCE))
+    if not cbuild.cpu_has("avx512f", "avx512_bf16"):  # elsewhere it could never run
+        return None
+    lib = _load(cbuild.build("paged_prefill_avx512", AVX512_SOURCES, AVX512_FLAGS, FALLBACK))
     if lib is not None:
         lib.avx512_bf16_available.restype = ctypes.c_int
         lib.avx512 = bool(lib.avx512_bf16_available())  # built for AVX512-BF16, and the CPU has it

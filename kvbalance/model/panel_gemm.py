@@ -2,7 +2,7 @@
 :mod:`kvbalance.model.avx512_gemm`): building and probing the library, the environment switch, packing a
 weight and calling the C ``gemm(x, ldx, wp, bias, y, ldy, m, n, k, threads)``.
 
-Each C source exports ``cpu_ok()`` (the CPU has the instructions), a ``veto`` probe (the CPU has a unit
+Each C file (``kvbalance/native/avx2_gemm.c``, ``avx512_gemm.c``) exports ``cpu_ok()`` (the CPU has the instructions), a ``veto`` probe (the CPU has a unit
 that serves these shapes better: AVX-512 for the AVX2 kernel, AMX for the AVX-512 one), ``pack(w, n, k,
 wp)`` and ``gemm`` (returning non-zero where it cannot allocate its buffers).
 ``KVBALANCE_NATIVE_GEMM=0`` turns every such kernel off; ``=1`` prefers each wherever it runs.
@@ -21,21 +21,25 @@ from kvbalance.model import cbuild
 
 
 class PanelGemm:
-    """One compiled packed-panel GEMM: ``name`` and ``source`` built with ``flags`` on first use;
-    ``dtype`` its weights, activations and outputs; ``size(n, k)`` the values a packed [N, K] weight holds;
-    ``tag`` the attribute set on packed copies (packed.py dispatches by it)."""
+    """One compiled packed-panel GEMM: ``name``, the C files ``sources`` built with ``flags`` on first use
+    where the CPU lists ``cpu_features`` (``fallback``: the library GEMM that runs otherwise); ``dtype``
+    its weights, activations and outputs; ``size(n, k)`` the values a packed [N, K] weight holds; ``tag``
+    the attribute set on packed copies (packed.py dispatches by it)."""
 
     def __init__(
         self,
         name: str,
-        source: str,
+        sources: tuple[str, ...],
         flags: tuple[str, ...],
+        cpu_features: tuple[str, ...],
+        fallback: str,
         dtype: torch.dtype,
         size: Callable[[int, int], int],
         tag: str,
         veto: str,
     ) -> None:
-        self.name, self.source, self.flags, self.dtype = name, source, flags, dtype
+        self.name, self.sources, self.flags, self.dtype = name, sources, flags, dtype
+        self.cpu_features, self.fallback = cpu_features, fallback
         self.size, self.tag, self.veto = size, tag, veto
         self._lock = threading.Lock()
         self._lib: list[ctypes.CDLL | None] = []
@@ -44,7 +48,9 @@ class PanelGemm:
         if not self._lib:
             with self._lock:
                 if not self._lib:
-                    lib = cbuild.load(self.name, self.source, self.flags)
+                    lib = None
+                    if cbuild.cpu_has(*self.cpu_features):  # elsewhere it could never run
+                        lib = cbuild.load(self.name, self.sources, self.flags, self.fallback)
                     if lib is not None:
                         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
                         lib.pack.argtypes = [ptr, i64, i64, ptr]
