@@ -3,7 +3,7 @@ with every prefill:decode split, scheduler, chunk size and batch cap; each becom
 
 A colocated deployment is ``count`` identical instances of ``tp`` GPUs; a disaggregated one is ``p``
 prefill instances of ``tp_p`` GPUs and ``d`` decode instances of ``tp_d`` GPUs using the whole budget
-(DistServe's splits, ``cluster.systems.distserve_splits``). A deployment that cannot hold the model's
+(``pd_splits``: DistServe's splits, including those whose prefill TP does not divide the budget). A deployment that cannot hold the model's
 weights plus one request of the longest context is ``infeasible`` (found once per GPU, TP, scheduler).
 """
 
@@ -74,12 +74,22 @@ def schedulers(
     return out
 
 
+def pd_splits(num_gpus: int, tps: Sequence[int]) -> list[tuple[int, int, int, int]]:
+    """Every (prefill instances, decode instances, prefill TP, decode TP) using exactly ``num_gpus`` GPUs."""
+    out = []
+    for tp_p in tps:
+        for tp_d in tps:
+            for p in range(1, num_gpus // tp_p + 1):
+                rest = num_gpus - p * tp_p
+                if rest > 0 and rest % tp_d == 0:
+                    out.append((p, rest // tp_d, tp_p, tp_d))
+    return out
+
+
 def layouts(
     num_gpus: int, tps: Sequence[int], modes: Iterable[str]
 ) -> list[tuple[tuple[str, int, int], ...]]:
     """Every instance layout on exactly ``num_gpus`` GPUs: colocated per TP, disaggregated per split."""
-    from kvbalance.cluster.systems import distserve_splits
-
     out: list[tuple[tuple[str, int, int], ...]] = []
     modes = set(modes)
     if "colocated" in modes:
@@ -87,7 +97,7 @@ def layouts(
             if num_gpus % tp == 0:
                 out.append((("colocated", num_gpus // tp, tp),))
     if "disaggregated" in modes and num_gpus >= 2:
-        for p, d, tp_p, tp_d in distserve_splits(num_gpus, tuple(tps)):
+        for p, d, tp_p, tp_d in pd_splits(num_gpus, tps):
             out.append((("prefill", p, tp_p), ("decode", d, tp_d)))
     return out
 
