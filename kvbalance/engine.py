@@ -102,9 +102,7 @@ class Instance:
             num_blocks if elastic is not None and elastic.mode == "elastic" else self.pool.num_blocks
         )
         self.elastic = (
-            ElasticReserve(elastic, self.pool, self.scheduler, self.cache, num_blocks)
-            if elastic is not None
-            else None
+            ElasticReserve(elastic, self.pool, self.cache, num_blocks) if elastic is not None else None
         )
         self.failed = False  # static overcommit ran out of activation memory (CUDA OOM)
         self.failure_reason: str | None = None
@@ -199,7 +197,7 @@ class Instance:
         if elastic is not None:
             if self.failed:
                 return None
-            self._pending_s += elastic.before_step(now)
+            self._pending_s += self._switch_reserve(elastic, now)
         plan = self.scheduler.schedule(now)
         if plan.is_empty:
             return None
@@ -217,6 +215,18 @@ class Instance:
         self.num_steps += 1
         self.busy_s += result.duration_s
         return StepOutcome(plan, result, now)
+
+    def _switch_reserve(self, elastic: ElasticReserve, now: float) -> float:
+        """The elastic reserve's lend or reclaim before planning: the scheduler preempts the requests that
+        hold lent blocks, the reserve attaches or detaches its region, admission closes or reopens."""
+        sched = self.scheduler
+        switch = elastic.before_step(sched.running, bool(sched.waiting), sched.has_prefill_work())
+        for req in switch.preempt:
+            sched.preempt(req)
+        latency_s = elastic.apply(switch, now)
+        if switch.admission_open is not None:
+            sched.admission_open = switch.admission_open
+        return latency_s
 
     def complete(self, outcome: StepOutcome, now: float) -> list[Request]:
         return self.scheduler.update(outcome.plan, outcome.result, now)

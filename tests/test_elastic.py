@@ -292,7 +292,7 @@ def test_bad_config_names_the_field():
     with pytest.raises(ValueError, match="reserve_blocks"):
         ElasticConfig(reserve_blocks=-1, block_bytes=1)
     with pytest.raises(TypeError, match="ElasticBlockPool"):
-        ElasticReserve(ElasticConfig(reserve_blocks=1, block_bytes=1), BlockPool(4, BS), None, None, 4)
+        ElasticReserve(ElasticConfig(reserve_blocks=1, block_bytes=1), BlockPool(4, BS), None, 4)
 
 
 def test_reproduce_scenario_static_fails_elastic_lends_and_keeps_ttft():

@@ -4,14 +4,17 @@ decodes run, and reclaim it before a prefill needs it; plus the static overcommi
 An engine sets aside activation memory for its largest prefill chunk (``perf/memory.py`` sizes it).
 While every running request decodes, a step needs only a decode batch's activations, so the rest of the
 reserve — ``reserve_blocks`` KV blocks, the region ``[base, base + E)`` of an :class:`ElasticBlockPool` —
-can hold KV. :class:`ElasticReserve` decides, before each step:
+can hold KV. :class:`ElasticReserve` decides, before each step, and returns the decision as a
+:class:`ReserveSwitch` for its caller (the instance) to carry out with the scheduler; it never calls
+into the scheduler itself:
 
 * lend: the next batch is decode-only (nothing waits, no running prompt is unfinished) -> attach the
   region (its blocks join the free list; base blocks are still handed out first) and close admission;
 * reclaim: a request waits (a new prompt, or one preempted for lack of memory) -> drain the region and
-  detach it, then reopen admission. Draining preempts the running requests that hold a lent block
-  (they resume by recompute; their KV is never overwritten in place) and evicts lent blocks the prefix
-  cache still holds (with their descendants, whose prefixes include them).
+  detach it, then reopen admission. Draining needs the running requests that hold a lent block
+  preempted (the switch lists them; they resume by recompute; their KV is never overwritten in place)
+  and evicts lent blocks the prefix cache still holds (with their descendants, whose prefixes include
+  them).
 
 Mapping and unmapping are not free: with CUDA virtual memory management the region is mapped in 2 MiB
 granules (cuMemMap / cuMemUnmap plus cuMemSetAccess). We model ``map_fixed_s + GiB * map_s_per_gib``
@@ -35,6 +38,7 @@ from typing import Literal
 from kvbalance.kvcache.blocks import BlockPool, ElasticBlockPool
 from kvbalance.kvcache.prefix import RadixCache
 from kvbalance.perf import memory
+from kvbalance.request import Request
 from kvbalance.specs import ModelSpec
 
 GIB = 1 << 30
@@ -127,22 +131,37 @@ def evict_cached_blocks(cache: RadixCache, block_ids: Sequence[int]) -> int:
     return cache.evict_blocks(block_ids)
 
 
+@dataclass(frozen=True)
+class ReserveSwitch:
+    """What the reserve asks of its caller before a step: preempt the requests in ``preempt`` (running
+    requests that hold a lent block, newest first, so the oldest ends up at the head of the queue), then
+    :meth:`ElasticReserve.apply` the switch, then set the scheduler's admission to ``admission_open``
+    (None: leave it). ``action`` None: nothing to do."""
+
+    action: Literal["lend", "reclaim"] | None = None
+    preempt: tuple[Request, ...] = ()
+    admission_open: bool | None = None
+
+
+NO_SWITCH = ReserveSwitch()
+
+
 class ElasticReserve:
     """Lends the reserve region to the pool during decode-only periods and reclaims it (see the module doc).
 
-    ``scheduler`` is the instance's :class:`~kvbalance.scheduler.Scheduler` (duck-typed: ``running``,
-    ``waiting``, ``has_prefill_work()``, ``preempt(req)``, ``admission_open``). In static mode the pool is
-    a plain :class:`BlockPool` of ``base_blocks + reserve_blocks`` blocks and nothing is ever switched.
+    It holds the pool and the prefix cache, not the scheduler: :meth:`before_step` returns a
+    :class:`ReserveSwitch` (what to preempt, whether admission closes or reopens) that the caller carries
+    out and hands back to :meth:`apply`. In static mode the pool is a plain :class:`BlockPool` of
+    ``base_blocks + reserve_blocks`` blocks and nothing is ever switched.
     """
 
     def __init__(
-        self, config: ElasticConfig, pool: BlockPool, scheduler, cache: RadixCache | None, base_blocks: int
+        self, config: ElasticConfig, pool: BlockPool, cache: RadixCache | None, base_blocks: int
     ) -> None:
         if config.mode == "elastic" and not isinstance(pool, ElasticBlockPool):
             raise TypeError("pool: elastic mode needs an ElasticBlockPool")
         self.config = config
         self.pool = pool
-        self.scheduler = scheduler
         self.cache = cache
         self.base_blocks = base_blocks
         self.lent = False
@@ -160,25 +179,45 @@ class ElasticReserve:
         self.peak_capacity_tokens = pool.capacity_tokens
 
     # -- policy -------------------------------------------------------------------------------
-    def before_step(self, now: float) -> float:
-        """Lend or reclaim before the scheduler plans the next step; return the modelled latency added."""
+    def before_step(self, running: Sequence[Request], waiting: bool, has_prefill_work: bool) -> ReserveSwitch:
+        """Whether to lend or reclaim before the scheduler plans the next step, given the scheduler's
+        ``running`` requests, whether any request ``waiting`` and whether a running prompt is unfinished
+        (``has_prefill_work``). Changes nothing: the caller carries the switch out (:class:`ReserveSwitch`)."""
         if self.config.mode != "elastic" or not self._region:
-            return 0.0
-        sched = self.scheduler
+            return NO_SWITCH
         if self.lent:
-            return self.reclaim(now) if sched.waiting else 0.0
-        if sched.running and not sched.has_prefill_work():
-            pool = self.pool
-            if pool.num_used >= self.config.lend_min_used_fraction * self.base_blocks:
-                return self.lend(now)
+            return self.reclaim_switch(running) if waiting else NO_SWITCH
+        if running and not has_prefill_work:
+            if self.pool.num_used >= self.config.lend_min_used_fraction * self.base_blocks:
+                return self.lend_switch()
+        return NO_SWITCH
+
+    def lend_switch(self) -> ReserveSwitch:
+        """Lend now (the next steps are decode-only): admission closes until the reclaim."""
+        return NO_SWITCH if self.lent else ReserveSwitch("lend", (), admission_open=False)
+
+    def reclaim_switch(self, running: Sequence[Request]) -> ReserveSwitch:
+        """Reclaim now: the ``running`` requests holding a lent block are to be preempted (newest first),
+        then admission reopens."""
+        if not self.lent:
+            return NO_SWITCH
+        holders = [r for r in running if r.block_ids and max(r.block_ids) >= self.base_blocks]
+        return ReserveSwitch("reclaim", tuple(reversed(holders)), admission_open=True)
+
+    def apply(self, switch: ReserveSwitch, now: float) -> float:
+        """Carry out ``switch`` once its requests are preempted: attach the region (lend), or evict the
+        region's cached blocks and detach it (reclaim; raises if a block of it is still held). Returns the
+        modelled map or unmap latency."""
+        if switch.action == "lend":
+            return self._lend(now)
+        if switch.action == "reclaim":
+            return self._reclaim(now, len(switch.preempt))
         return 0.0
 
-    def lend(self, now: float) -> float:
-        """Attach the region (the next steps are decode-only); admission stays closed until reclaim."""
+    def _lend(self, now: float) -> float:
         if self.lent:
             return 0.0
         self.pool.attach(self._region)
-        self.scheduler.admission_open = False
         self.lent = True
         self._lent_since = now
         self.num_lends += 1
@@ -187,22 +226,16 @@ class ElasticReserve:
         self.switch_s += dt
         return dt
 
-    def reclaim(self, now: float) -> float:
-        """Drain and detach the region, then reopen admission. Returns the modelled unmap latency."""
+    def _reclaim(self, now: float, preempted: int) -> float:
         if not self.lent:
             return 0.0
-        pool, sched = self.pool, self.scheduler
-        lo = self.base_blocks
-        holders = [r for r in sched.running if r.block_ids and max(r.block_ids) >= lo]
-        for req in reversed(holders):  # newest first, so the oldest ends up at the head of the queue
-            sched.preempt(req)
-        self.drain_preemptions += len(holders)
+        pool = self.pool
         if self.cache is not None:
             cached = [b for b in self._region if pool.ref_count(b) > 0]
             if cached:
                 self.drain_evicted_blocks += evict_cached_blocks(self.cache, cached)
         pool.detach(self._region)  # raises if anything still holds a lent block: never reused in place
-        sched.admission_open = True
+        self.drain_preemptions += preempted
         self.lent = False
         self.lent_s += now - self._lent_since
         self.num_reclaims += 1
