@@ -217,3 +217,74 @@ def test_killed_actor_loses_no_other_request_and_leaks_no_block(ray_session):
         assert_no_leak(b)  # the survivor only
     finally:
         c.close()
+
+
+def test_64_concurrent_streams_through_the_front_end_on_loopback(pd_cluster):
+    import asyncio
+    import json
+    import socket
+    import threading
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from kvbalance.raycluster.launch import create_cluster_app
+    from kvbalance.server.metrics import parse_prometheus_text
+    from kvbalance.server.serving import make_server
+
+    b = pd_cluster.backend
+    routed_before = b.slots[0].routed
+    app, aengine = create_cluster_app(pd_cluster, model_name=MODEL, max_queue=128)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = make_server(app, "127.0.0.1", port, drain_timeout_s=5.0, log_level="warning", lifespan="on")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{port}"
+    ps = prompts(64, seed=13)
+    mt = [random.Random(i).randint(2, 10) for i in range(64)]
+
+    async def one(client, i: int) -> tuple[list[int], str | None]:
+        body = {
+            "model": MODEL,
+            "prompt": ps[i],
+            "max_tokens": mt[i],
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        toks, finish = [], None
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line[6:])["choices"][0]
+                    toks += choice["token_ids"]
+                    finish = choice["finish_reason"] or finish
+        return toks, finish
+
+    async def all_of_them():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    try:
+        results = asyncio.run(asyncio.wait_for(all_of_them(), 150))
+        assert [f for _, f in results] == ["length"] * 64
+        assert [t for t, _ in results] == reference(ps, mt)
+        m = parse_prometheus_text(httpx.get(url + "/metrics", timeout=10).text)
+        assert (
+            m['kvbalance_cluster_routed_requests_total{instance="prefill-0",role="prefill"}'] - routed_before
+            == 64
+        )
+        assert m["kvbalance_cluster_pd_transfers_total"] >= 64
+        assert m['kvbalance_cluster_instance_alive{instance="decode-0",role="decode"}'] == 1.0
+        assert m['kvbalance_requests_total{finish_reason="length"}'] == 64
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        aengine.shutdown()
+    assert_no_leak(b)
