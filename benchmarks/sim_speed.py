@@ -13,7 +13,7 @@ vLLM's least-loaded router, Poisson at 100 req/s (about 70% of the cluster's SLO
 Times are CPU seconds of this process (``time.process_time``; the machine is shared), per phase: building
 the requests, building the cluster, the event loop, the summary. ``--fast off`` runs with the exact fast
 paths off (``KVBALANCE_SIM_FAST=0``: no step-shape cache, no decode runs), for the before/after ratio; both
-give the same summary bit for bit (checked in tests/test_sim_speed.py). ``--profile`` adds a cProfile
+give the same summary bit for bit (checked in tests/test_search_speed.py). ``--profile`` adds a cProfile
 breakdown of the event loop by package. Writes benchmarks/results/sim_speed/<setup>.json.
 
 Run: .venv/bin/python benchmarks/sim_speed.py [vidur|cluster16] [--requests N] [--fast on|off] [--profile]

@@ -4,7 +4,9 @@ and sampled tokens are deterministic stand-ins.
 
 from __future__ import annotations
 
+import os
 import zlib
+from dataclasses import replace
 
 from kvbalance.batch import BatchPlan, KVTransfer, StepResult
 from kvbalance.perf.cost import CostModel, breakdown_total_s, transfer_time
@@ -31,6 +33,34 @@ def is_standin_token(token_id: int) -> bool:
     return token_id >= STANDIN_BASE
 
 
+SHAPE_CACHE_MAX = 200_000  # shapes kept per executor (a bound on memory; past it, new shapes are not kept)
+
+
+def fast_paths_enabled() -> bool:
+    """The simulator's exact fast paths (step-shape cache, ...) are on unless ``KVBALANCE_SIM_FAST=0``."""
+    return os.environ.get("KVBALANCE_SIM_FAST", "1") != "0"
+
+
+def step_shape(plan: BatchPlan) -> tuple:
+    """What the cost model's step time depends on, computed as ``CostModel.op_counts`` aggregates it: the
+    sequence and token counts, the sampled count, each prompt chunk's (new tokens, context) in order (their
+    causal pairs are summed in floats), and the decode count and summed context (integers, order-free).
+    Two plans with one shape take the same time to the last bit (tests/test_search_speed.py checks it)."""
+    tokens = sampled = dec_seqs = dec_ctx = 0
+    chunks = []
+    for s in plan.seqs:
+        n = s.num_new_tokens
+        tokens += n
+        if s.sample:
+            sampled += 1
+        if n == 1:
+            dec_seqs += 1
+            dec_ctx += s.start + 1
+        else:
+            chunks.append((n, s.start + n))
+    return len(plan.seqs), tokens, sampled, dec_seqs, dec_ctx, tuple(chunks)
+
+
 class SimExecutor:
     """Executes a :class:`BatchPlan` by asking a :class:`CostModel` how long it takes.
 
@@ -40,6 +70,10 @@ class SimExecutor:
     overlapped fetch/compute/store); without it the whole transfer adds. Every transfer in the plan
     finishes within the step. ``step_model`` (anything with ``predict(plan) -> StepBreakdown``, e.g.
     ``perf.overlap.OverlapStepModel``) replaces the cost model's sequential step time.
+
+    ``shape_cache`` (default: on unless ``KVBALANCE_SIM_FAST=0``) keeps the cost model's breakdown per
+    :func:`step_shape`, so a step of a shape seen before skips the roofline (exact: the same breakdown, copied).
+    It applies to the plain cost model only (a ``step_model`` may read more of the plan).
     """
 
     def __init__(
@@ -48,9 +82,14 @@ class SimExecutor:
         link: LinkSpec | str | None = None,
         overlap_transfers: bool = True,
         step_model=None,
+        shape_cache: bool | None = None,
     ) -> None:
         self.cost_model = cost_model
         self.step_model = step_model if step_model is not None else cost_model
+        if shape_cache is None:
+            shape_cache = fast_paths_enabled()
+        self._shapes: dict[tuple, object] | None = {} if shape_cache and step_model is None else None
+        self.shape_hits = 0
         self.link = get_link(link) if link is not None else get_link("pcie4")
         self.overlap_transfers = overlap_transfers
         self.num_steps = 0
@@ -70,8 +109,23 @@ class SimExecutor:
             total += transfer_time(self.cost_model.kv_transfer_bytes(t.num_tokens), self.link)
         return total
 
+    def predict(self, plan: BatchPlan):
+        """The step's compute breakdown (a fresh object: callers add to it)."""
+        shapes = self._shapes
+        if shapes is None:
+            return self.step_model.predict(plan)
+        key = step_shape(plan)
+        hit = shapes.get(key)
+        if hit is None:
+            hit = self.step_model.predict(plan)
+            if len(shapes) < SHAPE_CACHE_MAX:
+                shapes[key] = hit
+        else:
+            self.shape_hits += 1
+        return replace(hit)
+
     def execute(self, plan: BatchPlan) -> StepResult:
-        breakdown = self.step_model.predict(plan)
+        breakdown = self.predict(plan)
         compute_s = breakdown_total_s(breakdown)
         moved_s = self.transfer_s(plan.kv_loads) + self.transfer_s(plan.kv_saves)
         breakdown.transfer_s = max(0.0, moved_s - compute_s) if self.overlap_transfers else moved_s

@@ -229,19 +229,26 @@ class Scheduler(RequestControl):
             req = s.request
             if req.state is not running:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += s.num_new_tokens
+            n = s.num_new_tokens
+            computed = req.num_computed_tokens = req.num_computed_tokens + n
             reason = None
             if s.sample:
-                token = sampled[req.request_id]
-                req.output_token_ids.append(token)
+                rid = req.request_id
+                token = sampled[rid]
+                out = req.output_token_ids
+                out.append(token)
                 if req.first_token_s is None:
                     req.first_token_s = now
                 req.token_times_s.append(now)
-                if req.sampling.logprobs is not None and req.request_id in result.logprobs:
-                    req.output_logprobs.append(result.logprobs[req.request_id])
-                reason = self._stop_reason(req, token)
+                sp = req.sampling
+                if sp.logprobs is not None and rid in result.logprobs:
+                    req.output_logprobs.append(result.logprobs[rid])
+                if sp.stop_token_ids or (not sp.ignore_eos and req.eos_token_id is not None):
+                    reason = self._stop_reason(req, token)
+                elif len(out) >= sp.max_tokens:  # _stop_reason's length rule, for a request no token stops
+                    reason = "length"
             # a block filled up in this step: publish it (the cached path always reaches the last full block)
-            if caching and req.num_computed_tokens // bs > (req.num_computed_tokens - s.num_new_tokens) // bs:
+            if caching and computed // bs > (computed - n) // bs:
                 kv.cache_full_blocks(req)
             if reason is not None:
                 self._release(req, finished=True)
