@@ -24,8 +24,6 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-import numpy as np
-
 from kvbalance.kvcache.blocks import BlockPool
 
 # the hashes live in hashing.py; importers of kvbalance.kvcache.prefix keep getting them here
@@ -217,9 +215,9 @@ class RadixCache:
                 mine = tokens[off * w : (off + size) * w]
                 if n.tokens != mine:
                     self.num_token_mismatches += 1
-                    a = np.frombuffer(n.tokens, dtype=np.uint8)
-                    b = np.frombuffer(mine, dtype=np.uint8)
-                    j = int(np.flatnonzero(a[: len(b)] != b[: len(a)])[0]) // w if len(a) == len(b) else 0
+                    j = 0  # the first block that differs
+                    while j < size and n.tokens[j * w : (j + 1) * w] == mine[j * w : (j + 1) * w]:
+                        j += 1
                     if j == 0:
                         return (n.parent, off)
                     return self._split(n, j), off + j

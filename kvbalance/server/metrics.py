@@ -2,7 +2,8 @@
 
 ``ServerMetrics`` holds counters and latency histograms fed by the engine loop and the HTTP layer (429s
 count as ``requests_total{finish_reason="overloaded"}``), plus a collector that mirrors the engine's latest
-``InstanceLoad`` snapshot (running / waiting requests, KV usage, prefix hits, preemptions, steps) taken
+``InstanceLoad`` snapshot (running / waiting requests, KV usage, prefix hits, prefix-cache hits refused for
+differing tokens, preemptions, steps) taken
 after every step. ``render()`` is ``generate_latest``.
 """
 
@@ -35,6 +36,8 @@ GAUGES = {
 ENGINE_COUNTERS = {  # mirrored from the engine's snapshot (the engine owns the count)
     "preemptions": "Requests preempted (KV freed, recomputed later).",
     "prefix_hit_tokens": "Prompt tokens served by the prefix cache.",
+    "prefix_cache_token_mismatches": "Prefix-cache lookups whose block hash matched but whose cached tokens "
+    "differed from the request's (refused: a miss).",
     "engine_steps": "Engine steps executed.",
 }
 
@@ -112,6 +115,7 @@ class ServerMetrics:
             self._engine.counters.update(
                 preemptions=load.num_preemptions,
                 prefix_hit_tokens=load.prefix_hit_tokens,
+                prefix_cache_token_mismatches=getattr(load, "prefix_token_mismatches", 0),
                 engine_steps=load.num_steps,
             )
 
