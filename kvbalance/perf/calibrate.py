@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import optimize
 
 from kvbalance.perf.cost import ATTENTION, OP_NAMES, CostModel, SeqWork, curve_eff
 from kvbalance.perf.kernels import wave_rows
@@ -151,44 +152,17 @@ def nelder_mead(
     xtol: float = 1e-7,
     ftol: float = 1e-12,
 ) -> tuple[np.ndarray, float]:
-    """Minimise ``f`` from ``x0`` with the Nelder-Mead simplex (reflect 1, expand 2, contract 0.5, shrink 0.5)."""
-    n = len(x0)
-    simplex = [np.asarray(x0, dtype=float)]
-    if n == 0:  # nothing to fit (fit_hardware with fit=()): the point itself
-        return simplex[0], float(f(simplex[0]))
-    for i in range(n):
-        x = simplex[0].copy()
-        x[i] += step
-        simplex.append(x)
-    values = [f(x) for x in simplex]
-    for _ in range(max_iter):
-        order = np.argsort(values)
-        simplex = [simplex[i] for i in order]
-        values = [values[i] for i in order]
-        spread = max(np.max(np.abs(x - simplex[0])) for x in simplex[1:])
-        if spread < xtol and values[-1] - values[0] < ftol:
-            break
-        centroid = np.mean(simplex[:-1], axis=0)
-        worst = simplex[-1]
-        xr = centroid + (centroid - worst)
-        fr = f(xr)
-        if fr < values[0]:
-            xe = centroid + 2.0 * (centroid - worst)
-            fe = f(xe)
-            simplex[-1], values[-1] = (xe, fe) if fe < fr else (xr, fr)
-        elif fr < values[-2]:
-            simplex[-1], values[-1] = xr, fr
-        else:
-            xc = centroid + 0.5 * ((xr if fr < values[-1] else worst) - centroid)
-            fc = f(xc)
-            if fc < min(fr, values[-1]):
-                simplex[-1], values[-1] = xc, fc
-            else:
-                best = simplex[0]
-                simplex = [best] + [best + 0.5 * (x - best) for x in simplex[1:]]
-                values = [values[0]] + [f(x) for x in simplex[1:]]
-    i = int(np.argmin(values))
-    return simplex[i], float(values[i])
+    """Minimise ``f`` from ``x0`` with SciPy's Nelder-Mead simplex (reflect 1, expand 2, contract 0.5, shrink
+    0.5), started from ``x0`` and ``x0 + step`` along each axis; stops after ``max_iter`` iterations or once
+    the simplex spans less than ``xtol`` in every coordinate and ``ftol`` in value."""
+    x0 = np.asarray(x0, dtype=float)
+    if x0.size == 0:  # nothing to fit (fit_hardware with fit=()): the point itself
+        return x0, float(f(x0))
+    simplex = np.vstack([x0, x0 + step * np.eye(x0.size)])
+    # SciPy counts the start simplex as its first iteration
+    options = {"initial_simplex": simplex, "maxiter": max_iter + 1, "xatol": xtol, "fatol": ftol}
+    res = optimize.minimize(f, x0, method="Nelder-Mead", options=options)
+    return res.x, float(res.fun)
 
 
 @dataclass
