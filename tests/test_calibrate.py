@@ -140,7 +140,7 @@ def test_fitted_preset_file_loads_through_gpu_path_and_reproduces_step_times(syn
 
 
 def test_host_overhead_grows_with_the_batch(synthetic_fit):
-    cm = CostModel("llama-2-7b", synthetic_fit.hardware)
+    cm = CostModel("llama-2-7b", synthetic_fit.hardware, engine="hardware")  # the spec's host terms, serial
     small, large = cm.step([(1, 500, True)]), cm.step([(1, 500, True)] * 64)
     lat_small = sum(t.latency_s for t in cm.op_times([(1, 500, True)]).values())
     lat_large = sum(t.latency_s for t in cm.op_times([(1, 500, True)] * 64).values())
@@ -149,7 +149,7 @@ def test_host_overhead_grows_with_the_batch(synthetic_fit):
     assert cm.host_overhead_s(64, 64) == pytest.approx(cm.overhead_s + 64 * per_seq)
     hw = synthetic_fit.hardware
     for tp in (2, 4):
-        cm_tp = CostModel("llama-2-7b", hw, tp=tp)
+        cm_tp = CostModel("llama-2-7b", hw, tp=tp, engine="hardware")
         tp_extra = hw.host_overhead_tp_s + hw.host_overhead_per_tp_rank_s * (tp - 1)
         assert cm_tp.overhead_s == pytest.approx(cm.overhead_s + tp_extra)
         assert cm_tp.host_overhead_s(64, 64) == pytest.approx(
@@ -162,7 +162,7 @@ def test_small_token_path_of_an_elementwise_class(synthetic_fit):
     and memory time), above it the curve; step() and op_times() agree."""
     hw = synthetic_fit.hardware
     c = hw.elementwise_curves["embedding"]
-    cm = CostModel("llama-2-7b", hw)
+    cm = CostModel("llama-2-7b", hw, engine="hardware")  # the spec's host terms, paid serially
     for t in (1, 8, 16):
         op = cm.op_times([(t, t, False)])["embedding"]
         assert op.memory_s == pytest.approx(c.small_per_token_s * t) and op.latency_s == c.small_latency_s

@@ -24,7 +24,7 @@ from kvbalance.perf.kernels import OpTime
 from kvbalance.perf.overlap import OverlapConfig, OverlapStepModel, resource_times_s, step_model
 from kvbalance.perf.report import step_cost_report
 from kvbalance.request import Request
-from kvbalance.specs import LinkSpec, get_gpu
+from kvbalance.specs import LinkSpec, get_gpu, gpu_provenance
 
 # -- overlap --------------------------------------------------------------------------------------------
 
@@ -109,9 +109,14 @@ def test_step_cost_report_fields_by_hand():
     seqs = [(1, 50, True)] * 3 + [(100, 100, True)]
     b = cm.step(seqs)
     total = breakdown_total_s(b)
+    host = cm.host_time(seqs)
     assert {k: v for k, v in r.items() if k != "ops"} == {
         "model": "llama-2-7b",
         "gpu": "a100-80gb",
+        "gpu_fit": gpu_provenance("a100-80gb"),
+        "engine": "vllm-v1",
+        "gpu_time_s": host.gpu_s,
+        "host": host.to_dict(),
         "tp": 1,
         "prefill_tokens": 100,
         "decode_batch": 3,
@@ -153,7 +158,8 @@ def test_step_cost_report_on_an_infinitely_fast_gpu_reports_zero_rates():
         host_overhead_per_token_s=0.0,
         elementwise_curves={},
     )
-    r = step_cost_report("llama-2-7b", gpu, prefill_tokens=8, decode_batch=1, context=8)
+    # the spec's own host terms (all zero), paid serially: nothing is left
+    r = step_cost_report("llama-2-7b", gpu, prefill_tokens=8, decode_batch=1, context=8, engine="hardware")
     assert r["step_time_s"] == 0.0 and r["tokens_per_s"] == 0.0 and r["mfu"] == 0.0
 
 

@@ -102,7 +102,7 @@ def _curvy_gpu():
 
 @pytest.mark.parametrize("tokens", [8, 16, 17, 64])
 def test_step_books_the_small_path_latency_and_splits_by_roofline(tokens):
-    cm = CostModel("llama-2-7b", _curvy_gpu())
+    cm = CostModel("llama-2-7b", _curvy_gpu(), engine="hardware")  # the spec's host terms, serial
     seqs = [(tokens, tokens + 100, True), (1, 300, True)]
     b, times = cm.step(seqs), cm.op_times(seqs)
     latency = sum(t.latency_s for t in times.values())
@@ -116,6 +116,6 @@ def test_step_books_the_small_path_latency_and_splits_by_roofline(tokens):
 def test_vectorised_prediction_on_curves_small_paths_and_kv_ratio():
     hw = _curvy_gpu()
     steps = [[(1, 300, True)] * 3, [(15, 15, True)], [(16, 400, False), (1, 50, True)], [(200, 200, True)]]
-    cm = CostModel("llama-2-7b", hw)
+    cm = CostModel("llama-2-7b", hw, engine="hardware")  # predict_samples: the spec's host terms, serial
     pred = predict_samples("llama-2-7b", hw, [(s, 1.0) for s in steps])
     assert pred.tolist() == pytest.approx([cm.step_seconds(s) for s in steps], rel=1e-12)

@@ -95,7 +95,9 @@ def test_stage_times_add_up_to_the_step_for_other_shapes(model, tp):
     L = cm.model.num_layers
     a, b = stage_times(cm, seqs, (0, L // 3)), stage_times(cm, seqs, (L // 3, L))
     assert stage_times(cm, seqs, (0, L)).total_s == pytest.approx(cm.step_seconds(seqs))
-    assert a.total_s + b.total_s == pytest.approx(cm.step_seconds(seqs) + cm.gpu.step_overhead_s)
+    assert a.total_s + b.total_s == pytest.approx(
+        cm.step_seconds(seqs) + cm.step_fixed_host_s
+    )  # paid per stage
     assert a.comm_s + b.comm_s == pytest.approx(cm.comm_s(8 + 300))
 
 
@@ -106,7 +108,7 @@ def test_stage_times_split_the_step_by_layers(cm):
     a, b = stage_times(cm, seqs, (0, 25)), stage_times(cm, seqs, (25, 40))
     assert a.compute_s + b.compute_s == pytest.approx(full.compute_s)
     assert a.memory_s + b.memory_s == pytest.approx(full.memory_s)
-    assert a.overhead_s + b.overhead_s == pytest.approx(full.overhead_s + cm.gpu.step_overhead_s)
+    assert a.overhead_s + b.overhead_s == pytest.approx(full.overhead_s + cm.step_fixed_host_s)  # per stage
     # a per-layer operator (the MLP) splits 25:15; the LM head sits wholly on the last stage
     times = cm.op_times(seqs)
     only_head = stage_times(cm, seqs, (39, 40)).memory_s + stage_times(cm, seqs, (39, 40)).compute_s

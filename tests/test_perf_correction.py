@@ -140,7 +140,7 @@ def test_preset_with_corrections_round_trips_through_gpu_path(corrected, tmp_pat
 
 def test_step_and_op_times_agree_with_corrections(corrected):
     hw, _, _ = corrected
-    cm = CostModel(SHAPE.model_spec(), hw)
+    cm = CostModel(SHAPE.model_spec(), hw, engine="hardware")  # the spec's host terms, paid serially
     for seqs in (
         [(8, 8, True)],
         [(1, 100, True)] * 16,

@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--gpu", required=True)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument(
+        "--engine", default=None, help="engine profile whose host time the steps pay (default: vllm-v1)"
+    )
     p.add_argument("--workload", required=True)
     p.add_argument("--rate", required=True, help="offered arrival rate lambda, requests/s (>= 0, finite)")
     p.add_argument(
@@ -94,6 +97,7 @@ def _config(args, **overrides):
     fields = dict(
         model=args.model,
         gpu=args.gpu,
+        engine=args.engine,
         tp=args.tp,
         workload=args.workload,
         policy=args.policy,
@@ -110,6 +114,14 @@ def _config(args, **overrides):
         return SimulateConfig(**fields)
     except ValidationError as e:
         raise ValueError(config_error_message(e)) from None
+
+
+def _engine_name(cfg) -> str:
+    """The engine profile the run's cost model uses (the config's, else the GPU's default)."""
+    from kvbalance.perf.engines import resolve_engine
+    from kvbalance.specs import get_gpu
+
+    return resolve_engine(cfg.engine, get_gpu(cfg.gpu)).name
 
 
 def capacity(args) -> dict[str, Any]:
@@ -138,6 +150,7 @@ def capacity(args) -> dict[str, Any]:
     report: dict[str, Any] = {
         "model": args.model,
         "gpu": args.gpu,
+        "engine": _engine_name(cfg),
         "tp": args.tp,
         "workload": args.workload,
         "policy": args.policy,
@@ -280,7 +293,8 @@ def print_table(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     table = Table(
-        title=f"capacity: {report['model']} on {report['gpu']} x{report['tp']}, {report['workload']}"
+        title=f"capacity: {report['model']} on {report['gpu']} x{report['tp']} ({report['engine']}), "
+        f"{report['workload']}"
     )
     table.add_column("quantity")
     table.add_column("value", justify="right")

@@ -16,13 +16,22 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--quick", action="store_true", help="smaller run (minutes, not tens of minutes)")
     p.add_argument("--out", default=None, help="output folder (default runs/reproduce-NAME)")
+    p.add_argument(
+        "--engine",
+        default=None,
+        help="engine profile for every cost model the experiment builds without one of its own "
+        "(default: vllm-v1 on GPU presets)",
+    )
 
 
 def run(args) -> int:
     mod = importlib.import_module(f"kvbalance.reproduce.{args.name}")
     out = Path(args.out or f"runs/reproduce-{args.name}")
     out.mkdir(parents=True, exist_ok=True)
-    results = mod.run(out, quick=args.quick)
+    from kvbalance.perf.engines import default_engine
+
+    with default_engine(args.engine):
+        results = mod.run(out, quick=args.quick)
     print(json.dumps(results, indent=2, sort_keys=True, default=str)[:4000])
     print(f"wrote {out}/results.json")
     return 0

@@ -251,7 +251,9 @@ def fit_hardware(
         if improved < 1e-12:
             break
     fitted = spec_of(u).with_(
-        name=name or f"{base.name}-fitted", source=_fit_note(base, m, len(samples), fit)
+        name=name or f"{base.name}-fitted",
+        fitted_on=name or f"{base.name}-fitted",
+        source=_fit_note(base, m, len(samples), fit),
     )
     rel = np.abs(feats.predict(fitted) - measured) / measured
     base_rel = np.abs(feats.predict(base) - measured) / measured

@@ -181,13 +181,13 @@ class CostModel:
 
     @property
     def step_fixed_host_s(self) -> float:
-        """The host time every step pays whatever its size, as the engine exposes it: the fixed host work and
-        the sync of a serial engine; only the sync of an overlapped one (its host work hides under the GPU)."""
+        """The host time every step pays whatever its size and TP degree, as the engine exposes it: the fixed
+        host work (one GPU's) and the sync of a serial engine; only the sync of an overlapped one (its host
+        work hides under the GPU). A pipeline stage pays it once (``perf.migration.stage_times``)."""
         e = self.engine
-        fixed = e.sync_s
-        if not e.overlap:
-            fixed += e.host_work_s(self.gpu, 0, 0, self.tp)
-        return fixed
+        if e.overlap:
+            return e.sync_s
+        return e.host_work_s(self.gpu, 0, 0, 1) + e.sync_s
 
     # -- operator counts -------------------------------------------------------------------------
     def _elementwise(self, tokens: float) -> dict[str, tuple[float, float]]:

@@ -39,7 +39,7 @@ from typing import Any
 from kvbalance.specs import HardwareSpec
 
 ENGINES_DIR = Path(__file__).resolve().parent / "engines"
-DEFAULT_ENGINE = "vllm-v0"  # a GPU preset's default (vllm-v1 once the suite's pinned figures are re-derived)
+DEFAULT_ENGINE = "vllm-v1"  # a GPU preset's default: a current engine
 CPU_DEFAULT_ENGINE = "hardware"  # a CPU spec (kvbalance profile) was fitted on the real engine's own steps
 
 _BOOL_FIELDS = ("host_from_hardware", "overlap")
@@ -164,7 +164,7 @@ class HostTime:
 
     @property
     def hidden_s(self) -> float:
-        return self.work_s + self.launch_s + self.sync_s - self.exposed_s
+        return max(0.0, self.work_s + self.launch_s + self.sync_s - self.exposed_s)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -310,7 +310,10 @@ def fit_gpu(
         f"{_correction_note(corr)}"
     )
     hw = hw.with_(
-        name=name or base.name, source=note, shape_corrections=corr.corrections if corr is not None else {}
+        name=name or base.name,
+        source=note,
+        shape_corrections=corr.corrections if corr is not None else {},
+        fitted_on=base.name,
     )
     host_err = []
     if host:

@@ -227,14 +227,12 @@ def stage_times(cm: CostModel, seqs: Sequence[SeqWork], layers: tuple[int, int])
             memory += f * t.memory_s
         latency += f * t.latency_s
     tokens = sum(n for n, _, _ in seqs)
-    eng = cm.engine
-    if eng.overlap:  # the host work hides under the step; each stage still waits on the engine's sync
-        exposed = cm.host_time(seqs).exposed_s
-        gaps = cm.gpu.per_layer_overhead_s * L
-        overhead = eng.sync_s + (exposed - eng.sync_s + gaps) * share + latency
+    fixed = cm.step_fixed_host_s
+    if cm.engine.overlap:  # the host work hides under the step; each stage still waits on the engine's sync
+        exposed = cm.host_time(seqs).exposed_s + cm.gpu.per_layer_overhead_s * L
     else:
-        step_oh = eng.host_work_s(cm.gpu, 0, 0, 1) + eng.sync_s
-        overhead = step_oh + (cm.host_overhead_s(len(seqs), tokens) - step_oh + eng.sync_s) * share + latency
+        exposed = cm.host_overhead_s(len(seqs), tokens) + cm.engine.sync_s
+    overhead = fixed + (exposed - fixed) * share + latency
     return StageTimes(compute, memory, overhead, cm.comm_s(tokens) * share)
 
 

@@ -5,7 +5,8 @@ model, with the per-operator rooflines.
 from __future__ import annotations
 
 from kvbalance.perf.cost import CostModel, SeqWork, breakdown_total_s
-from kvbalance.specs import HardwareSpec, LinkSpec, ModelSpec
+from kvbalance.perf.engines import EngineProfile
+from kvbalance.specs import HardwareSpec, LinkSpec, ModelSpec, gpu_provenance
 
 
 def step_cost_report(
@@ -16,9 +17,13 @@ def step_cost_report(
     decode_batch: int = 0,
     context: int = 0,
     link: LinkSpec | str | None = None,
+    engine: EngineProfile | str | None = None,
 ) -> dict:
     """Cost of one step: a prefill of ``prefill_tokens`` (sampling its last token) plus ``decode_batch``
-    decodes at ``context`` tokens each. JSON-ready (used by ``kvbalance cost --json``)."""
+    decodes at ``context`` tokens each, under the engine profile ``engine`` (default: the GPU's default).
+    JSON-ready (used by ``kvbalance cost --json``): the step time, its GPU time and the engine's host time
+    (``host``: work, launch and sync, the part exposed and the part the overlap hid), and where the GPU
+    preset's curves come from (``gpu_fit``)."""
     for name, v in (("prefill_tokens", prefill_tokens), ("decode_batch", decode_batch), ("context", context)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"{name}: must be a non-negative integer, got {v!r}")
@@ -26,16 +31,21 @@ def step_cost_report(
         raise ValueError(f"context: must be >= 1 when decode_batch > 0, got {context}")
     if not prefill_tokens and not decode_batch:
         raise ValueError("prefill_tokens: give prefill_tokens > 0 or decode_batch > 0 (the step is empty)")
-    cm = CostModel(model, gpu, tp, link)
+    cm = CostModel(model, gpu, tp, link, engine=engine)
     seqs: list[SeqWork] = [(1, context, True)] * decode_batch
     if prefill_tokens:
         seqs.append((prefill_tokens, prefill_tokens, True))
     b = cm.step(seqs)
     total = breakdown_total_s(b)
+    host = cm.host_time(seqs)
     tokens = prefill_tokens + decode_batch
     return {
         "model": cm.model.name,
         "gpu": cm.gpu.name,
+        "gpu_fit": gpu_provenance(cm.gpu),
+        "engine": cm.engine.name,
+        "gpu_time_s": host.gpu_s,
+        "host": host.to_dict(),
         "tp": tp,
         "prefill_tokens": prefill_tokens,
         "decode_batch": decode_batch,

@@ -19,6 +19,11 @@ class SimulateConfig(BaseModel):
 
     model: str = Field("llama-2-7b", description="model preset (kvbalance.specs)")
     gpu: str = Field("a100-80gb", description="GPU preset, or a preset file from `calibrate` / `profile`")
+    engine: str | None = Field(
+        None,
+        description="serving engine whose host time the steps pay (kvbalance.perf.engines: vllm-v1, sglang, "
+        "vllm-v0, kvbalance, hardware, or a profile file); default: vllm-v1 on a GPU preset",
+    )
     tp: int = Field(1, ge=1, description="tensor-parallel degree")
     workload: str = Field(
         "sharegpt", description="workload preset, `uniform:A-B:C-D`, `fixed:S:O`, or a trace"
@@ -81,6 +86,15 @@ class SimulateConfig(BaseModel):
         from kvbalance.specs import get_gpu
 
         get_gpu(v)
+        return v
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str | None) -> str | None:
+        if v is not None:
+            from kvbalance.perf.engines import get_engine
+
+            get_engine(v)
         return v
 
 

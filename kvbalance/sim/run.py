@@ -47,7 +47,7 @@ def build_sim_instance(
     the activation reserve at the policy's token budget (or ``kv_tokens``), on the cost model.
     ``connector``: the KV connector's scheduler half (a cluster's P/D or store connector; none by default)."""
     model = get_model(cfg.model)
-    cost = CostModel(model, cfg.gpu, cfg.tp)
+    cost = CostModel(model, cfg.gpu, cfg.tp, engine=cfg.engine)
     max_context = min(cfg.max_context or model.max_context, model.max_context)
     budget = POLICIES.get(cfg.policy).token_budget(cfg.chunk_size, max_context)
     if cfg.kv_tokens is not None:
@@ -168,6 +168,7 @@ def _summarize_run(
         | {
             "model": cfg.model,
             "gpu": cfg.gpu,
+            "engine": inst.executor.cost_model.engine.name,
             "tp": cfg.tp,
             "workload": cfg.workload,
             "rate": cfg.rate if math.isfinite(cfg.rate) else "inf",

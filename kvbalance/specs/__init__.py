@@ -21,6 +21,7 @@ from kvbalance.specs.presets import (
     GPUS,
     HARDWARE_FILE_SUFFIXES,
     get_gpu,
+    gpu_provenance,
     list_gpus,
 )
 
@@ -41,6 +42,7 @@ __all__ = [
     "ShapeCorrection",
     "get_gpu",
     "get_link",
+    "gpu_provenance",
     "get_model",
     "list_gpus",
     "list_links",

@@ -164,7 +164,8 @@ class HardwareSpec:
     ``shape_corrections`` maps a profiled kernel shape (``kvbalance.perf.correction.kernel_key``) to its
     :class:`ShapeCorrection` on this GPU: the simulator reproduces the measured times of profiled shapes
     (cuBLAS kernel switches included) and uses the physical model alone everywhere else. Only the preset
-    fitted on this GPU's own measurements carries them (presets that borrow a fit do not).
+    fitted on this GPU's own measurements carries them (presets that borrow a fit do not). ``fitted_on``
+    names the device whose profiles the curves were fitted on (the preset itself, or the GPU it borrows from).
     """
 
     name: str
@@ -194,6 +195,9 @@ class HardwareSpec:
     tp_link: LinkSpec = field(default_factory=lambda: LINKS["nvlink"])  # intra-node link used by TP
     kind: str = "gpu"  # "gpu" or "cpu"
     source: str = ""
+    # the device whose measured profiles the efficiency curves and host terms were fitted on ("" : none, the
+    # curves are estimates); a preset that borrows another GPU's fit names that GPU (specs.gpu_provenance)
+    fitted_on: str = ""
 
     def __post_init__(self) -> None:
         for f in ("peak_flops", "mem_bandwidth_bytes_s", "mem_capacity_bytes"):

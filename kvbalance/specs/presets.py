@@ -70,7 +70,10 @@ def _borrow(
     if own:
         extra["shape_corrections"] = fit.shape_corrections
     fitted = {f: getattr(fit, f) for f in FITTED_FIELDS}
-    return datasheet.with_(**fitted, **extra, source=f"{datasheet.source} {why} Fit: {fit.source}")
+    fitted_on = datasheet.name if own else (fit.fitted_on or fit.name)
+    return datasheet.with_(
+        **fitted, **extra, fitted_on=fitted_on, source=f"{datasheet.source} {why} Fit: {fit.source}"
+    )
 
 
 _DATASHEETS = {
@@ -151,3 +154,25 @@ def get_gpu(name: str | os.PathLike | HardwareSpec) -> HardwareSpec:
 
 def list_gpus() -> list[str]:
     return list(GPUS)
+
+
+def gpu_provenance(gpu: HardwareSpec | str) -> dict[str, Any]:
+    """Where a GPU spec's efficiency curves and host terms come from: its own fit (``own_fit``: fitted on this
+    GPU's measured profiles, with ``shape_corrections`` measured kernel shapes), another GPU's fit it borrows
+    (``borrowed_from``), or none (datasheet peaks with estimated efficiencies). JSON-ready."""
+    hw = get_gpu(gpu)
+    own = bool(hw.fitted_on) and hw.fitted_on == hw.name
+    borrowed = hw.fitted_on if hw.fitted_on and not own else None
+    if own:
+        summary = f"own fit (measured on {hw.name}; {len(hw.shape_corrections)} measured kernel shapes)"
+    elif borrowed:
+        summary = f"borrows {borrowed}'s fitted curves (datasheet peaks its own; no measured kernel shapes)"
+    else:
+        summary = "no fit: datasheet peaks with estimated efficiencies"
+    return {
+        "fitted_on": hw.fitted_on or None,
+        "own_fit": own,
+        "borrowed_from": borrowed,
+        "shape_corrections": len(hw.shape_corrections),
+        "summary": summary,
+    }

@@ -1,0 +1,192 @@
+"""Validation of simulated end-to-end figures against public measurements (issue 23): each row is one
+published measurement (model, GPU, TP, engine and version, workload, figure, source), simulated under the
+engine profile that matches its engine, on the same requests as far as the source states them. Nothing here
+is fitted: the GPU presets are fitted on the operator profiles alone, and a bad row stays with its cause.
+
+    nice -n 10 .venv/bin/python benchmarks/validate_e2e.py --out benchmarks/results/validation
+
+writes ``validation.json`` (every row, its simulated figure and error, the seeds' spread where a workload is
+sampled) and prints the markdown table of ``docs/validation.md``. ``--rows ID,ID`` runs some rows only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvbalance.perf.engines import get_engine
+from kvbalance.sim.run import SimulateConfig, run_simulation
+
+GPT_FAST = "https://github.com/pytorch-labs/gpt-fast (README, Benchmarks; commit 0f925b5)"
+GPT_FAST_NOTE = (
+    "A100-80GB power-limited to 330 W, 5-token prompt, 200 new tokens (generate.py default), tok/s = new "
+    "tokens / generate() time (eager prefill included), bf16"
+)
+VLLM_CI_A100 = "https://buildkite.com/vllm/performance-benchmark/builds/9523"
+VLLM_CI_H200 = "https://buildkite.com/vllm/performance-benchmark/builds/9515"
+VLLM_CI_H100 = "https://buildkite.com/vllm/performance-benchmark/builds/9555"
+VLLM_CI_VERSION = (
+    "vLLM main, V0 engine (perf-benchmark pipeline, builds 95xx; autumn 2024 by build numbering)"
+)
+LATENCY_NOTE = (
+    "benchmark_latency: 8 prompts of 32 tokens, 128 output tokens each, dummy weights, mean of 15 runs"
+)
+THROUGHPUT_NOTE = (
+    "benchmark_throughput: 200 ShareGPT prompts (their own lengths, Llama tokenizer; simulated: 200 pairs "
+    "from the vLLM artifact's ShareGPT lengths, OPT tokenizer, 10 seeds), all at once"
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One public measurement and how to simulate it."""
+
+    id: str
+    source: str
+    engine_version: str
+    profile: str  # the engine profile it is simulated under
+    model: str
+    gpu: str
+    tp: int
+    kind: str  # "bs1_tok_s", "batch_latency_s" or "offline_rps"
+    measured: float
+    unit: str
+    workload: dict = field(default_factory=dict)
+    note: str = ""
+
+
+ROWS: tuple[Row, ...] = (
+    Row("gpt-fast-7b-tp1", GPT_FAST, "gpt-fast (torch.compile, CUDA graphs)", "gpt-fast", "llama-2-7b",
+        "a100-80gb", 1, "bs1_tok_s", 104.9, "tok/s", {"prompt": 5, "output": 200}, GPT_FAST_NOTE),
+    Row("gpt-fast-7b-tp2", GPT_FAST, "gpt-fast (torch.compile, CUDA graphs)", "gpt-fast", "llama-2-7b",
+        "a100-80gb", 2, "bs1_tok_s", 168.84, "tok/s", {"prompt": 5, "output": 200}, GPT_FAST_NOTE),
+    Row("gpt-fast-7b-tp4", GPT_FAST, "gpt-fast (torch.compile, CUDA graphs)", "gpt-fast", "llama-2-7b",
+        "a100-80gb", 4, "bs1_tok_s", 254.02, "tok/s", {"prompt": 5, "output": 200}, GPT_FAST_NOTE),
+    Row("gpt-fast-7b-tp8", GPT_FAST, "gpt-fast (torch.compile, CUDA graphs)", "gpt-fast", "llama-2-7b",
+        "a100-80gb", 8, "bs1_tok_s", 328.43, "tok/s", {"prompt": 5, "output": 200}, GPT_FAST_NOTE),
+    Row("gpt-fast-70b-tp8", GPT_FAST, "gpt-fast (torch.compile, CUDA graphs)", "gpt-fast", "llama-2-70b",
+        "a100-80gb", 8, "bs1_tok_s", 62.50, "tok/s", {"prompt": 5, "output": 200}, GPT_FAST_NOTE),
+    Row("vllm-ci-a100-8b-latency", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-8b", "a100-80gb", 1,
+        "batch_latency_s", 1.57927, "s", {"batch": 8, "prompt": 32, "output": 128}, LATENCY_NOTE),
+    Row("vllm-ci-a100-70b-latency", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-70b", "a100-80gb",
+        4, "batch_latency_s", 3.99059, "s", {"batch": 8, "prompt": 32, "output": 128},
+        LATENCY_NOTE + "; Llama-3-70B (same shapes as llama-3.1-70b)"),
+    Row("vllm-ci-h200-8b-latency", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-8b", "h200", 1,
+        "batch_latency_s", 0.833421, "s", {"batch": 8, "prompt": 32, "output": 128}, LATENCY_NOTE),
+    Row("vllm-ci-h200-70b-latency", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-70b", "h200", 4,
+        "batch_latency_s", 2.07753, "s", {"batch": 8, "prompt": 32, "output": 128},
+        LATENCY_NOTE + "; Llama-3-70B (same shapes as llama-3.1-70b)"),
+    Row("vllm-ci-h100-8b-latency", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-8b", "h100-sxm", 1,
+        "batch_latency_s", 0.997542, "s", {"batch": 8, "prompt": 32, "output": 128}, LATENCY_NOTE),
+    Row("vllm-ci-h100-70b-latency", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-70b", "h100-sxm", 4,
+        "batch_latency_s", 2.44447, "s", {"batch": 8, "prompt": 32, "output": 128},
+        LATENCY_NOTE + "; Llama-3-70B (same shapes as llama-3.1-70b)"),
+    Row("vllm-ci-a100-8b-throughput", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-8b", "a100-80gb",
+        1, "offline_rps", 11.0567, "req/s", {"requests": 200, "chunked": True}, THROUGHPUT_NOTE),
+    Row("vllm-ci-a100-70b-throughput", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-70b",
+        "a100-80gb", 4, "offline_rps", 4.78859, "req/s", {"requests": 200, "chunked": False, "max_context": 8192},
+        THROUGHPUT_NOTE + "; Llama-3-70B, 8K context: no chunked prefill"),
+    Row("vllm-ci-h200-8b-throughput", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-8b", "h200", 1,
+        "offline_rps", 22.5674, "req/s", {"requests": 200, "chunked": True}, THROUGHPUT_NOTE),
+    Row("vllm-ci-h200-70b-throughput", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-70b", "h200", 4,
+        "offline_rps", 9.83905, "req/s", {"requests": 200, "chunked": False, "max_context": 8192},
+        THROUGHPUT_NOTE + "; Llama-3-70B, 8K context: no chunked prefill"),
+    Row("vllm-ci-h100-8b-throughput", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-8b", "h100-sxm", 1,
+        "offline_rps", 19.5005, "req/s", {"requests": 200, "chunked": True}, THROUGHPUT_NOTE),
+    Row("vllm-ci-h100-70b-throughput", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-70b", "h100-sxm",
+        4, "offline_rps", 8.86239, "req/s", {"requests": 200, "chunked": False, "max_context": 8192},
+        THROUGHPUT_NOTE + "; Llama-3-70B, 8K context: no chunked prefill"),
+)  # fmt: skip
+
+SEEDS = tuple(range(10))
+
+
+def _config(row: Row, **kw) -> SimulateConfig:
+    return SimulateConfig(model=row.model, gpu=row.gpu, tp=row.tp, engine=row.profile, **kw)
+
+
+def simulate(row: Row) -> dict:
+    """The row's simulated figure (and, for sampled workloads, every seed's)."""
+    w = row.workload
+    if row.kind == "bs1_tok_s":
+        cfg = _config(row, workload=f"fixed:{w['prompt']}:{w['output']}", rate=math.inf, num_requests=1,
+                      max_num_seqs=1, enable_prefix_caching=False)  # fmt: skip
+        s = run_simulation(cfg, report=False).summary
+        return {"value": w["output"] / s["makespan_s"], "seeds": []}
+    if row.kind == "batch_latency_s":
+        cfg = _config(row, workload=f"fixed:{w['prompt']}:{w['output']}", rate=math.inf,
+                      num_requests=w["batch"], enable_prefix_caching=False)  # fmt: skip
+        return {"value": run_simulation(cfg, report=False).summary["makespan_s"], "seeds": []}
+    if row.kind == "offline_rps":
+        vals = []
+        for seed in SEEDS:
+            policy = {"policy": "sarathi", "chunk_size": 512} if w["chunked"] else {"policy": "vllm"}
+            cfg = _config(row, workload="sharegpt-trace", rate=math.inf, num_requests=w["requests"], seed=seed,
+                          max_context=w.get("max_context"), **policy)  # fmt: skip
+            vals.append(run_simulation(cfg, report=False).summary["throughput_rps"])
+        return {"value": statistics.fmean(vals), "seeds": vals}
+    raise ValueError(f"kind: unknown {row.kind!r} in row {row.id}")
+
+
+def table(results: list[dict]) -> str:
+    head = (
+        "| row | model | GPU x TP | engine (profile) | workload | measured | simulated | error |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- |"
+    )
+    lines = [head]
+    for r in results:
+        spread = ""
+        if r["seeds"]:
+            spread = f" ({min(r['seeds']):.3g}-{max(r['seeds']):.3g} over {len(r['seeds'])} seeds)"
+        lines.append(
+            f"| [{r['id']}]({r['source'].split(' ')[0]}) | {r['model']} | {r['gpu']} x{r['tp']} | "
+            f"{r['engine_version']} (`{r['profile']}`) | {r['note']} | {r['measured']:.4g} {r['unit']} | "
+            f"{r['simulated']:.4g} {r['unit']}{spread} | {100 * r['error']:+.1f}% |"
+        )
+    errs = sorted(abs(r["error"]) for r in results)
+    lines.append("")
+    lines.append(
+        f"{len(errs)} rows: median |error| {100 * statistics.median(errs):.1f}%, worst {100 * errs[-1]:.1f}%"
+    )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default=None, help="comma-separated row ids (default: all)")
+    p.add_argument("--out", default=None, help="folder for validation.json")
+    args = p.parse_args()
+    rows = ROWS
+    if args.rows:
+        want = set(args.rows.split(","))
+        unknown = want - {r.id for r in ROWS}
+        if unknown:
+            raise SystemExit(f"rows: unknown {', '.join(sorted(unknown))}")
+        rows = tuple(r for r in ROWS if r.id in want)
+    results = []
+    for row in rows:
+        get_engine(row.profile)
+        sim = simulate(row)
+        results.append(
+            asdict(row)
+            | {"simulated": sim["value"], "seeds": sim["seeds"], "error": sim["value"] / row.measured - 1.0}
+        )
+        print(f"{row.id}: measured {row.measured:.4g}, simulated {sim['value']:.4g} {row.unit}", flush=True)
+    md = table(results)
+    print(md)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        errs = sorted(abs(r["error"]) for r in results)
+        summary = {"rows": results, "median_abs_error": statistics.median(errs), "worst_abs_error": errs[-1]}
+        (out / "validation.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / "table.md").write_text(md + "\n")
+        print(f"wrote {out / 'validation.json'}")
+
+
+if __name__ == "__main__":
+    main()
