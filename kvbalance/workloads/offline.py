@@ -11,7 +11,7 @@ Task types:
 * ``video``: video-token generation, a short unique prompt and thousands of output tokens (16K mean in the
   paper), uniform in [0.5, 1.5] x the mean so the longest request stays a bounded serial chain: memory-heavy.
 
-A job is tuned to a target compute density and prefix-sharing ratio by two knobs found by bisection: the share
+A job is tuned to a target compute density and prefix-sharing ratio by two knobs found by root finding: the share
 of video requests (density) and a scale on the shared prefixes' lengths (sharing). The density of a job is
 the planner's business (``offline/density.py``): the tuner takes it as a function ``density_of(prompt_lens,
 output_lens, sharing) -> rho`` (``offline.density.job_density_fn``), so this module stays below ``offline``.
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+from scipy import optimize
 
 from kvbalance.request import Request, SamplingParams
 from kvbalance.workloads.tokens import SyntheticPrompt
@@ -156,26 +157,29 @@ def shape_density(shape: JobShape, density_of: DensityFn) -> float:
     return density_of(shape.prompt_len, shape.output_len, shape_sharing(shape))
 
 
-def _bisect(f, lo: float, hi: float, target: float, increasing: bool, iters: int = 40) -> float:
-    for _ in range(iters):
-        mid = (lo + hi) / 2
-        if (f(mid) < target) == increasing:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
+def crossing(f: Callable[[float], float], lo: float, hi: float, target: float, increasing: bool) -> float:
+    """Where ``f`` (monotone on ``[lo, hi]``: ``increasing`` or not) crosses ``target``, by SciPy's Brent
+    root finder (a step in ``f``, as a share of sampled requests makes, is found to within its ``xtol``);
+    the end of the range that comes nearest where ``f`` stays on one side of ``target``."""
+    sign = 1.0 if increasing else -1.0
+    at_lo, at_hi = sign * (f(lo) - target), sign * (f(hi) - target)
+    if at_lo >= 0:
+        return lo
+    if at_hi < 0:
+        return hi
+    return float(optimize.brentq(lambda x: f(x) - target, lo, hi))
 
 
 def tune_job(
     cfg: OfflineJobConfig, density_of: DensityFn, density: float, sharing: float
 ) -> OfflineJobConfig:
-    """The config nearest ``density`` and ``sharing``: bisect the video share (density falls with it) and the
-    prefix scale (sharing grows with it), alternating until both settle."""
+    """The config nearest ``density`` and ``sharing``: solve for the video share (density falls with it) and
+    the prefix scale (sharing grows with it), alternating until both settle."""
     dr = _draws(cfg)
     for _ in range(4):
         cfg = replace(
             cfg,
-            prefix_scale=_bisect(
+            prefix_scale=crossing(
                 lambda x, c=cfg: shape_sharing(job_shape(replace(c, prefix_scale=x), dr)),
                 0.0,
                 40.0,
@@ -185,7 +189,7 @@ def tune_job(
         )
         cfg = replace(
             cfg,
-            video_fraction=_bisect(
+            video_fraction=crossing(
                 lambda x, c=cfg: shape_density(job_shape(replace(c, video_fraction=x), dr), density_of),
                 0.0,
                 0.5,
