@@ -167,3 +167,16 @@ def test_an_unknown_source_or_target_is_named():
         cbuild.source_paths(("nope.c",))
     with pytest.raises(ValueError, match="target: unknown instruction-set level 'avx9'"):
         cbuild.compile_for("avx9", fused.SOURCES, fused.FLAGS, ".")
+
+
+def test_no_c_source_is_left_in_python_strings():
+    """Every kernel is a .c file: none is kept in a Python string (where no compiler check reaches it)."""
+    root = cbuild.NATIVE_DIR.parent.parent
+    markers = ("#include <", "#pragma omp", "__attribute__((")
+    offenders = [
+        str(p.relative_to(root))
+        for folder in ("kvbalance", "benchmarks", "scripts")
+        for p in (root / folder).rglob("*.py")
+        if any(m in p.read_text() for m in markers)
+    ]
+    assert offenders == []
