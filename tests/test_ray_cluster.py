@@ -51,10 +51,10 @@ def start(section: dict, **engine):
     return launch(eng, cfg)
 
 
-def prompts(n: int, seed: int = 7, shared: int = 0) -> list[list[int]]:
+def prompts(n: int, seed: int = 7, shared: int = 0, lengths=(5, 30)) -> list[list[int]]:
     rng = random.Random(seed)
     head = [rng.randrange(3, 256) for _ in range(shared)]
-    return [head + [rng.randrange(3, 256) for _ in range(rng.randint(5, 30))] for _ in range(n)]
+    return [head + [rng.randrange(3, 256) for _ in range(rng.randint(*lengths))] for _ in range(n)]
 
 
 def reference(ps: list[list[int]], max_tokens: list[int], **engine) -> list[list[int]]:
@@ -288,3 +288,84 @@ def test_64_concurrent_streams_through_the_front_end_on_loopback(pd_cluster):
         thread.join(30)
         aengine.shutdown()
     assert_no_leak(b)
+
+
+@pytest.mark.slow
+def test_killed_decode_actor_fails_only_its_requests_and_the_cluster_keeps_serving(ray_session):
+    section = {"instances": [{"role": "prefill"}, {"role": "decode", "count": 2}], "router": "round_robin",
+               "decode_router": "round_robin"}  # fmt: skip
+    c = start(section)
+    try:
+        b = c.backend
+        ps, mt = prompts(4, seed=21), [40, 40, 40, 40]
+        ids = submit(b, ps, mt, "d")
+        tokens, _ = drive(b, until=lambda t: all(len(t.get(i, [])) >= 3 for i in ids))
+        on_dead = {i for i in ids if b.tracked[i].home == 1}
+        assert on_dead and b.slots[1].name == "decode-0"
+        ray.kill(b.slots[1].actor, no_restart=True)
+        more, failed = drive(b)
+        for rid, toks in more.items():
+            tokens.setdefault(rid, []).extend(toks)
+        assert set(failed) == on_dead and all("decode-0" in str(e) for e in failed.values())
+        ref = reference(ps, mt)
+        for k, rid in enumerate(ids):
+            if rid not in on_dead:
+                assert tokens[rid] == ref[k]
+        late = submit(b, prompts(1, seed=4), [6], "late")
+        tokens, failed = drive(b)
+        assert not failed and len(tokens[late[0]]) == 6
+        assert_no_leak(b)
+    finally:
+        c.close()
+
+
+@pytest.mark.slow
+def test_killed_prefill_actor_retries_what_it_had_not_streamed(ray_session):
+    section = {"instances": [{"role": "prefill", "count": 2}, {"role": "decode"}], "router": "round_robin"}
+    c = start(section, max_num_seqs=1)
+    try:
+        b = c.backend
+        ps, mt = prompts(6, seed=17, lengths=(150, 250)), [6] * 6  # ~6 prefill steps each
+        ids = submit(b, ps, mt, "p")  # p0, p2, p4 queue on prefill-0 one at a time
+        tokens, _ = drive(b, until=lambda t: len(t.get("p0", [])) >= 2)  # p0's KV reached the decode actor
+        silent = [
+            rid for rid in ids if not tokens.get(rid)
+        ]  # nothing streamed yet: must be retried, not failed
+        ray.kill(b.slots[0].actor, no_restart=True)
+        more, failed = drive(b)
+        for rid, toks in more.items():
+            tokens.setdefault(rid, []).extend(toks)
+        ref = reference(ps, mt)
+        for k, rid in enumerate(ids):  # each request finished right, or failed naming the dead instance
+            if rid in failed:
+                assert "prefill-0" in str(failed[rid]) and tokens.get(rid), (
+                    rid
+                )  # it had streamed its first token
+            else:
+                assert tokens[rid] == ref[k], rid
+        assert "p0" not in failed and not failed.keys() & set(silent)
+        assert b.counters["instance_failures"] == 1 and b.counters["retries"] >= 1
+        assert not b.slots[0].alive
+        late = submit(b, prompts(2, seed=3), [4, 4], "late")  # the router skips the dead instance
+        assert {b.tracked[r].home for r in late} == {1}
+        tokens, failed = drive(b)
+        assert not failed and all(len(tokens[r]) == 4 for r in late)
+        assert_no_leak(b)
+    finally:
+        c.close()
+
+
+@pytest.mark.slow
+def test_pd_with_smollm2_gives_the_single_instance_tokens(ray_session):
+    engine = {"model": "smollm2-135m", "kv_tokens": 8192, "block_size": 16, "chunk_size": 256}
+    c = start({"instances": [{"role": "prefill"}, {"role": "decode"}]}, **engine)
+    try:
+        b = c.backend
+        ps, mt = prompts(4, seed=1, shared=40), [16, 16, 16, 16]
+        ids = submit(b, ps, mt, "sm")
+        tokens, failed = drive(b, timeout_s=300)
+        assert not failed
+        assert [tokens[i] for i in ids] == reference(ps, mt, **engine)
+        assert_no_leak(b)
+    finally:
+        c.close()

@@ -5,7 +5,8 @@ own router classes (``cluster.routers``: ``round_robin``, ``least_loaded``, ``ca
 ``load_aware``, ...) over each live prefill / colocated actor's latest ``Instance.load()`` (from its last
 step report, plus the requests sent to it since, counted as waiting), and queues an ``add`` command for it.
 ``step()`` sends every actor with work its queued commands in a ``step`` call (one call in flight per
-actor: its steps follow each other as the engine loop's would), waits for the first reply (``WAIT_S``), and
+actor: its steps follow each other as the engine loop's would; an idle actor gets an empty call every
+``HEALTH_INTERVAL_S``, so a dead one is noticed before a request is routed to it), waits for the first reply (``WAIT_S``), and
 turns each :class:`~kvbalance.raycluster.actor.StepReport` into the ``RequestOutput`` list the engine thread
 streams: tokens (detokenised and stop-string checked here, as ``LLMEngine.step`` does), P/D hand-offs
 (the decode router picks a decode actor, which gets the prompt, the first token and the KV's ObjectRef),
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 WAIT_S = 0.01  # how long one step() waits for an actor's reply
 MAX_RETRIES = 2  # a request that streamed nothing is re-routed at most this often after instance failures
+HEALTH_INTERVAL_S = 1.0  # an idle instance gets an empty step call this often while the cluster has work
 
 
 class InstanceError(RuntimeError):
@@ -64,6 +66,7 @@ class Slot:
     routed: int = 0
     reports: int = 0
     error: str | None = None
+    last_call_s: float = 0.0
 
     def has_work(self) -> bool:
         ld = self.load
@@ -285,10 +288,15 @@ class ClusterBackend:
 
     # -- stepping --------------------------------------------------------------------------------
     def _dispatch(self) -> None:
+        now = self.now()
         for s in self.slots:
-            if s.alive and s.in_flight is None and (s.outbox or s.queued or s.has_work()):
+            if not s.alive or s.in_flight is not None:
+                continue
+            # an idle instance is called now and then too (an empty step): a dead one is found and skipped
+            if s.outbox or s.queued or s.has_work() or now - s.last_call_s >= HEALTH_INTERVAL_S:
                 cmds, s.outbox = s.outbox, []
                 s.sent, s.queued = s.queued, {}
+                s.last_call_s = now
                 s.in_flight = s.actor.step.remote(cmds)
 
     def step(self) -> list:
