@@ -1,8 +1,12 @@
 """AsyncEngine: one background thread drives ``LLMEngine.step()``; asyncio callers stream their tokens.
 
 Every scheduler and KV-cache call (adding, aborting, stepping) happens on the engine thread, so they never
-see two threads. Tokenising and chat templates run before that, on a tokenizer thread of their own, so a
-huge prompt delays only its own request, never the running streams. Callers hand the engine thread
+see two threads. Tokenising and chat templates run before that, on tokenizer threads of their own, so a
+huge prompt delays only its own request, never the running streams: prompts up to ``SMALL_PROMPT_CHARS``
+characters have a thread to themselves, longer ones queue on another, so a small request never waits
+behind a big one; and a prompt is refused before the expensive work when it is over an input budget — the
+characters (``max_prompt_chars``), the token ids given (the context), and its tokens, counted piece by
+piece only until they pass the context (``server.budget``), before any chat template runs. Callers hand the engine thread
 commands through a queue guarded by a condition variable; the thread drains the queue between steps
 (continuous batching: a request joins the next step after it arrives), sleeps on the condition when there
 is no work, and sends each request's outputs back to the event loop that submitted it with
@@ -28,6 +32,7 @@ from typing import Any
 
 from kvbalance.request import SamplingParams
 from kvbalance.server.backend import as_backend
+from kvbalance.server.budget import tokens_over_budget
 from kvbalance.server.engine_thread import EngineThread
 from kvbalance.server.metrics import ServerMetrics
 from kvbalance.server.streams import EngineStopped, Overloaded, RequestStream, StreamOutput
@@ -36,6 +41,7 @@ log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | list[dict[str, Any]]  # text, token ids, or chat messages
 DEFAULT_MAX_PROMPT_CHARS_PER_TOKEN = 32  # text longer than this x the context cannot fit it in practice
+SMALL_PROMPT_CHARS = 16_384  # prompts up to this many characters tokenise on their own thread
 
 
 class AsyncEngine(EngineThread):
@@ -67,7 +73,8 @@ class AsyncEngine(EngineThread):
         self._commands: deque[tuple] = deque()
         self._streams: dict[str, RequestStream] = {}  # in flight (queued command, waiting or running)
         self._thread: threading.Thread | None = None
-        self._tokenizer_pool: ThreadPoolExecutor | None = None
+        self._tokenizer_pool: ThreadPoolExecutor | None = None  # small prompts
+        self._bulk_tokenizer_pool: ThreadPoolExecutor | None = None  # the rest, one at a time
         self._stop = False
         self._draining = False
         self._ids = itertools.count()
@@ -107,6 +114,7 @@ class AsyncEngine(EngineThread):
             self._stop = False
             self._draining = False
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvbalance-tokenizer")
+        self._bulk_tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="kvbalance-tokenizer-bulk")
         self._thread = threading.Thread(target=self._run, name="kvbalance-engine", daemon=True)
         self._thread.start()
 
@@ -136,8 +144,9 @@ class AsyncEngine(EngineThread):
         if self._thread is not None:
             self._thread.join(timeout_s)
         self._thread = None
-        if self._tokenizer_pool is not None:
-            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._tokenizer_pool, self._bulk_tokenizer_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         with self._cond:
             streams = list(self._streams.values())
             self._streams.clear()
@@ -153,17 +162,35 @@ class AsyncEngine(EngineThread):
             self._send(stream, self._final(stream, "abort"))
 
     # -- requests (event loop side) -------------------------------------------------
-    def _check_prompt_size(self, prompt: Prompt) -> None:
+    def _check_prompt_size(self, prompt: Prompt) -> int:
+        """Refuse a prompt over the character budget or with more token ids than the context (cheap: no
+        tokenising); returns its size in characters (token ids: 0), which picks its tokenizer thread."""
         if isinstance(prompt, str):
             n, field = len(prompt), "prompt"
         elif isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             n, field = sum(len(str(m.get("content") or "")) for m in prompt), "messages"
         else:
-            return
+            if len(prompt) > self.max_context:
+                raise ValueError(
+                    f"prompt: {len(prompt)} token ids is more than the model's context ({self.max_context} tokens)"
+                )
+            return 0
         if n > self.max_prompt_chars:
             raise ValueError(
                 f"{field}: {n} characters is more than this server takes (max_prompt_chars "
                 f"{self.max_prompt_chars}); the model's context is {self.max_context} tokens"
+            )
+        return n
+
+    def _check_token_budget(self, prompt: Prompt, chat: bool) -> None:
+        """Refuse text that surely tokenises to more than the context, counting no further than that."""
+        texts = [str(m.get("content") or "") for m in prompt] if chat else [prompt]
+        counted = tokens_over_budget(self.engine.encode, texts, self.max_context)
+        if counted is not None:
+            field = "messages" if chat else "prompt"
+            raise ValueError(
+                f"{field}: more than {self.max_context} tokens (counting stopped at {counted}); the model's "
+                f"context is {self.max_context} tokens"
             )
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
@@ -174,6 +201,8 @@ class AsyncEngine(EngineThread):
         """
         chat = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
         try:
+            if chat or isinstance(prompt, str):
+                self._check_token_budget(prompt, bool(chat))
             return self.engine.chat_prompt(prompt) if chat else self.engine.encode(prompt)
         except ValueError:
             raise
@@ -197,7 +226,8 @@ class AsyncEngine(EngineThread):
         EngineStopped.
         """
         self._check_open()
-        self._check_prompt_size(prompt)
+        size = self._check_prompt_size(prompt)
+        pool = self._tokenizer_pool if size <= SMALL_PROMPT_CHARS else self._bulk_tokenizer_pool
         loop = asyncio.get_running_loop()
         rid = request_id or f"req-{next(self._ids)}"
         stream = RequestStream(self, rid, loop)
@@ -205,7 +235,7 @@ class AsyncEngine(EngineThread):
             self._reserve(rid, stream)
         try:
             try:
-                ids = await loop.run_in_executor(self._tokenizer_pool, self._tokenize, prompt)
+                ids = await loop.run_in_executor(pool, self._tokenize, prompt)
             except BaseException:
                 with self._cond:
                     self._streams.pop(rid, None)

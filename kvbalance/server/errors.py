@@ -77,6 +77,8 @@ def describe(err: dict) -> str:
         return f"{text}, got {err['input']!r}" if "input" in err else text
     if kind == "too_short" and "min_length" in ctx:
         return f"must have at least {ctx['min_length']} item(s)"
+    if kind == "too_long" and "max_length" in ctx:
+        return f"must have at most {ctx['max_length']} item(s)"
     if kind.endswith("_type") and "input" in err:
         return f"{msg[:1].lower() + msg[1:]}, got {type(err['input']).__name__}"
     if msg.startswith("Value error, "):

@@ -21,6 +21,8 @@ SAMPLING_EPS = 1e-5  # temperatures below this are greedy, as in vLLM (logits / 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
 MAX_STOP = 64  # stop strings are matched on the engine thread every step
+MAX_MESSAGES = 2048  # OpenAI's limit on a chat's messages ("maximum length of 2048 items")
+MAX_CONTENT_PARTS = 2048  # text parts of one message (ours: each part costs a model object while parsing)
 LONE_SURROGATE = "lone_surrogate"
 
 
@@ -86,6 +88,9 @@ class _SamplingBody(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+            return data  # refused by the length check at once: not worth a walk over every message
         if (path := _find_lone_surrogate(data, "")) is not None:
             field = path.encode("utf-8", "backslashreplace").decode("utf-8")  # the path may hold one too
             raise PydanticCustomError(
@@ -245,6 +250,8 @@ class ChatMessage(_Strict):
             return v
         if not isinstance(v, list):
             raise ValueError("must be a string or a list of text parts")
+        if len(v) > MAX_CONTENT_PARTS:
+            raise ValueError(f"at most {MAX_CONTENT_PARTS} content parts, got {len(v)}")
         parts = []
         for p in v:  # [{"type": "text", "text": ...}, ...]
             if (
@@ -265,7 +272,7 @@ class ChatMessage(_Strict):
 
 
 class ChatRequest(_SamplingBody):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
