@@ -20,6 +20,7 @@ import json
 import math
 import os
 import socket
+import sys
 import threading
 import time
 import warnings
@@ -238,7 +239,8 @@ def main(argv=None) -> int:
     from kvbalance.raycluster.launch import start_ray
 
     owns = start_ray(num_cpus=max(2, os.cpu_count() or 1), temp_dir=out / "ray-tmp")
-    results = {"command": "python benchmarks/bench_cluster_real.py " + " ".join(argv or []), "preset": preset,
+    cmd = " ".join(sys.argv[1:] if argv is None else argv)
+    results = {"command": f"python benchmarks/bench_cluster_real.py {cmd}".strip(), "preset": preset,
                "args": vars(args), "setups": {n: [] for n in names}}  # fmt: skip
     try:
         if not args.no_probe:
