@@ -7,8 +7,8 @@ from kvbalance.offline.density import (
     comp_s,
     compute_density,
     group_density,
+    ideal_bound_s,
     mem_s,
-    optimal_makespan_s,
 )
 from kvbalance.offline.dual_scan import dual_scan, memory_split, side_budget
 from kvbalance.perf.cost import CostModel
@@ -48,8 +48,8 @@ def test_constants_come_from_the_cost_model():
 
 def test_group_density_and_optimum():
     assert group_density(10.0, 4.0, 0.25) == pytest.approx(0.75 * 10 / 4)
-    assert optimal_makespan_s(10.0, 4.0, 0.25) == pytest.approx(7.5)
-    assert optimal_makespan_s(10.0, 9.0, 0.25) == pytest.approx(9.0)
+    assert ideal_bound_s(10.0, 4.0, 0.25) == pytest.approx(7.5)
+    assert ideal_bound_s(10.0, 9.0, 0.25) == pytest.approx(9.0)
     with pytest.raises(ValueError, match="sharing"):
         group_density(1.0, 1.0, 1.5)
     with pytest.raises(ValueError, match="d:"):

@@ -2,10 +2,16 @@
 
 The planner's static ``order`` plays the scan out on a fluid clock; this component plays it against the real
 engine state instead. It holds the density-ordered requests and, before every step, releases requests into
-the engine's waiting queue from the two ends: a side may add requests while the KV its released, unfinished
-requests hold on average over their lives (p + d / 2 tokens each, with d the estimated output) stays within its
-share M_L or M_R of the memory, recomputed from the densities at the two ends. The engine then admits what it
-was given FCFS, so memory pressure (and preemption) follows the plan's balance instead of the queue's length.
+the engine's waiting queue from the two ends under both of the scan's per-step limits (``dual_scan.py``):
+
+* memory: a side may add requests while the KV its released, unfinished requests hold on average over their
+  lives (p + d / 2 tokens each, with d the estimated output) stays within its share M_L or M_R;
+* prefill: a side may add requests while its prefill budget C_L or C_R (tokens per step, credited every step,
+  none banked past one step) has credit; a release spends the request's computed prompt tokens.
+
+Both are recomputed each step from the densities and lengths at the two ends. The engine then admits what it
+was given FCFS, so memory pressure and the prefill tokens of each step follow the plan's balance instead of
+the queue's length.
 """
 
 from __future__ import annotations
@@ -14,16 +20,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvbalance.offline.dual_scan import WINDOW, memory_split
+from kvbalance.offline.dual_scan import PrefillBudget, ScanEnds
 from kvbalance.request import Request
 
 
 class DualScanAdmission:
-    """Feeds ``warmup`` first, then ``seq`` (density non-increasing) from both ends under M_L / M_R.
+    """Feeds ``warmup`` first, then ``seq`` (density non-increasing) from both ends under M_L / M_R and
+    C_L / C_R (``enforce_budgets=False``: memory shares only).
 
     ``feeds`` tells a runner that this component adds the requests itself (``before_step`` calls
     ``instance.add_request``); ``pending`` is how many it still holds. Built by the planner over indices;
     ``bind(requests)`` gives a fresh copy that feeds those request objects (indexed like the planned job).
+    ``prompt_lens`` are the prompt tokens a request computes (its shared prefix amortised), ``output_lens``
+    the estimated outputs.
     """
 
     feeds = True
@@ -38,33 +47,51 @@ class DualScanAdmission:
         mem_s: np.ndarray,
         rho_root: float,
         m_tokens: float,
+        chunk_tokens: int = 2048,
+        enforce_budgets: bool = True,
         requests: Sequence[Request] = (),
     ) -> None:
         self._args = (warmup, seq, prompt_lens, output_lens, eff_comp_s, mem_s, rho_root, m_tokens)
+        self._kw = {"chunk_tokens": chunk_tokens, "enforce_budgets": enforce_budgets}
         self.requests = requests
         self.warmup = list(warmup)
         self.seq = list(seq)
-        self.foot = np.asarray(prompt_lens, dtype=np.float64) + np.asarray(output_lens, dtype=np.float64) / 2
+        self.pc = np.asarray(prompt_lens, dtype=np.float64)
+        d = np.asarray(output_lens, dtype=np.float64)
+        self.foot = self.pc + d / 2
+        comp = np.asarray(eff_comp_s, dtype=np.float64)
+        mem = np.asarray(mem_s, dtype=np.float64)
+        heavy = (mem > 0) & (comp < rho_root * mem)  # memory-heavy: density below the job's
+        self.mem_per_step = np.where(heavy, mem / np.maximum(d, 1.0), 0.0)
         s = np.asarray(self.seq, dtype=np.int64)
-        self.comp = np.asarray(eff_comp_s, dtype=np.float64)[s] if len(s) else np.zeros(0)
-        self.mem = np.asarray(mem_s, dtype=np.float64)[s] if len(s) else np.zeros(0)
+        take = (lambda a: np.asarray(a, dtype=np.float64)[s]) if len(s) else (lambda a: np.zeros(0))
+        self.ends = ScanEnds(take(eff_comp_s), take(mem_s), take(self.pc), take(d))
         self.rho_root = rho_root
         self.m_tokens = m_tokens
+        self.chunk_tokens = chunk_tokens
+        self.enforce_budgets = enforce_budgets
         self.left, self.right = 0, len(self.seq) - 1
         self.live: list[list[int]] = [[], []]  # released, unfinished request indices per side
         self.used = [0.0, 0.0]
+        self.credit = [PrefillBudget(), PrefillBudget()]
         self.released: list[int] = []  # release order (every request exactly once)
+        self.split: tuple[float, float] = (0.0, 0.0)  # this step's M_L, M_R
+        self.budgets: tuple[int, int] = (0, 0)  # this step's C_L, C_R
+        self.released_tokens: list[tuple[float, float]] = []  # per step: prompt tokens released per side
 
     def bind(self, requests: Sequence[Request]) -> DualScanAdmission:
-        return DualScanAdmission(*self._args, requests=requests)
+        return DualScanAdmission(*self._args, **self._kw, requests=requests)
 
     @property
     def pending(self) -> int:
         return len(self.warmup) + max(self.right - self.left + 1, 0)
 
-    def _window(self, lo: int, hi: int) -> float:
-        m = self.mem[lo:hi].sum()
-        return float(self.comp[lo:hi].sum() / m) if m > 0 else float("inf")
+    def _memory_cap(self, side: int, budget: tuple[float, float]) -> float:
+        """The KV a side may hold: its share; the compute-heavy side also whatever the other leaves free
+        (its requests hold little KV for few steps, so its prefill budget, not memory, paces it)."""
+        if side == 0:
+            return max(budget[0], self.m_tokens - self.used[1])
+        return budget[1]
 
     def _release(self, instance, i: int, now: float) -> None:
         self.released.append(i)
@@ -80,24 +107,33 @@ class DualScanAdmission:
             self._release(instance, self.warmup.pop(0), now)
         if self.left > self.right:
             return
-        rho_l = self._window(self.left, min(self.left + WINDOW, self.right + 1))
-        rho_r = self._window(max(self.right + 1 - WINDOW, self.left), self.right + 1)
-        budget = memory_split(self.m_tokens, self.rho_root, rho_l, rho_r)
+        budget = self.ends.split(self.left, self.right, self.rho_root, self.m_tokens)
+        live_mem = float(self.mem_per_step[self.live[0]].sum() + self.mem_per_step[self.live[1]].sum())
+        c = self.ends.budgets(self.left, self.right, budget, self.chunk_tokens, self.rho_root, live_mem)
+        self.split, self.budgets = budget, c
+        out = [0.0, 0.0]
         for side in (0, 1):
+            self.credit[side].new_step(c[side])
             while self.left <= self.right:
                 i = self.seq[self.left] if side == 0 else self.seq[self.right]
                 f = float(self.foot[i])
                 idle = not self.live[0] and not self.live[1]
                 first = not self.live[side] and budget[side] > 0  # a side with memory keeps one running
-                if self.used[side] + f > budget[side] and not (idle or first):
-                    break
+                if not (idle or first):
+                    if self.used[side] + f > self._memory_cap(side, budget):
+                        break
+                    if self.enforce_budgets and not self.credit[side].open:
+                        break
                 self.used[side] += f
+                self.credit[side].spend(float(self.pc[i]))
+                out[side] += float(self.pc[i])
                 self.live[side].append(i)
                 if side == 0:
                     self.left += 1
                 else:
                     self.right -= 1
                 self._release(instance, i, now)
+        self.released_tokens.append((out[0], out[1]))
 
 
 class InBatchPrefixDefer:

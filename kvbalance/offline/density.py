@@ -9,8 +9,9 @@ For a request with prompt p and output d (the paper's definitions; the cost mode
 with P_model the parameter count, H the hidden size, L the layers, kv_bytes_per_token = 2 H_kv L x bytes
 (K and V), F the achievable FLOP/s and B the achievable bandwidth of all ``tp`` GPUs of a replica. A set of
 requests sharing prefixes computes the shared part once: rho = (1 - s) T_comp / T_mem with s the prefix-
-sharing ratio (share of prompt tokens served from the cache). The practical optimum of a job is
-T_opt = max((1 - s_opt) T_comp, T_mem), s_opt the DFS sharing ratio (every shared prefix computed once).
+sharing ratio (share of prompt tokens served from the cache). The ideal bound of a job is
+max((1 - s_opt) T_comp, T_mem), s_opt the DFS sharing ratio (every shared prefix computed once); the paper calls
+it impractical and measures against a practical optimum instead (``optimum.py``).
 rho > 1: compute-bound work dominates; rho < 1: memory-bound.
 """
 
@@ -95,8 +96,8 @@ def group_density(total_comp_s: float, total_mem_s: float, sharing: float) -> fl
     return (1.0 - sharing) * total_comp_s / total_mem_s
 
 
-def optimal_makespan_s(total_comp_s: float, total_mem_s: float, dfs_sharing: float) -> float:
-    """The practical optimum T_opt = max((1 - s_opt) T_comp, T_mem)."""
+def ideal_bound_s(total_comp_s: float, total_mem_s: float, dfs_sharing: float) -> float:
+    """The ideal bound max((1 - s_opt) T_comp, T_mem) (no weight reads, saturated kernels, no host time)."""
     if not 0 <= dfs_sharing <= 1:
         raise ValueError(f"dfs_sharing: must be in [0, 1], got {dfs_sharing}")
     return max((1.0 - dfs_sharing) * total_comp_s, total_mem_s)

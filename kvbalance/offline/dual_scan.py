@@ -7,10 +7,13 @@ rho_root). The free KV memory M is split so the running mix has the job's densit
 
 Each side keeps about N = M_side / (p + d / 2) requests decoding (a request holds p + d / 2 tokens of KV on
 average over its life) and needs a prefill budget of C = N p / d tokens per step to keep them coming; the
-steps' chunked-prefill budgets are multiples of 128 tokens, as in the paper. The scan is played out on a
-fluid clock counted in decode steps (a request occupies its side's memory from its admission until its d
-steps are done; prefills are served at ``chunk_tokens`` per step), which turns it into a static admission
-order that any engine can follow FCFS: the simulator and the real engine run the same order.
+budgets are multiples of 128 tokens, as in the paper, and together at most the engine's chunk budget. Both
+limits hold per step: a side admits while its KV share has room AND its prefill budget has tokens left this
+step (``PrefillBudget``: C tokens of credit per step, none banked past one step), so the compute-heavy side's
+prefills are spread over the memory-heavy side's decode steps instead of arriving in bursts that leave later
+steps with memory work only. The scan is played out on a fluid clock counted in decode steps (a request
+occupies its side's memory from its admission until its d steps are done), which turns it into a static
+admission order; ``admission.py`` plays the same rules against the live engine.
 """
 
 from __future__ import annotations
@@ -46,6 +49,45 @@ def side_budget(m_side_tokens: float, p: float, d: float) -> tuple[float, int]:
     return n, int(math.ceil(c / CHUNK_QUANTUM) * CHUNK_QUANTUM)
 
 
+def step_budgets(
+    m_split: tuple[float, float],
+    means: tuple[tuple[float, float], tuple[float, float]],
+    chunk_tokens: int,
+) -> tuple[int, int]:
+    """(C_L, C_R) for memory shares ``m_split`` and each side's (mean computed prompt, mean output) at its
+    end; each at least 128 tokens where the side has memory, scaled down together to fit ``chunk_tokens``."""
+    c = []
+    for m, (p, d) in zip(m_split, means):
+        c.append(max(side_budget(m, p, d)[1], CHUNK_QUANTUM) if m > 0 else 0)
+    total = c[0] + c[1]
+    if total > chunk_tokens:
+        c = [
+            max(CHUNK_QUANTUM, int(x * chunk_tokens / total) // CHUNK_QUANTUM * CHUNK_QUANTUM) if x else 0
+            for x in c
+        ]
+    return c[0], c[1]
+
+
+class PrefillBudget:
+    """A side's per-step prefill budget as credit: each step adds C tokens (never more than C held), an
+    admission spends its computed prompt tokens; a side may admit while its credit is positive (so one
+    request may overdraw it, and the overdraft is paid back over the next steps)."""
+
+    def __init__(self) -> None:
+        self.credit = 0.0
+
+    def new_step(self, c_tokens: float, steps: float = 1.0) -> None:
+        """Credit for ``steps`` (possibly fractional) steps at ``c_tokens`` per step."""
+        self.credit = min(self.credit + c_tokens * steps, c_tokens)
+
+    @property
+    def open(self) -> bool:
+        return self.credit > 0
+
+    def spend(self, tokens: float) -> None:
+        self.credit -= tokens
+
+
 @dataclass
 class DualScanResult:
     order: list[int]  # requests in admission order
@@ -53,12 +95,64 @@ class DualScanResult:
     batch_prefill_tokens: list[int] = field(default_factory=list)  # rounded up to multiples of 128
     m_left_tokens: float = 0.0  # the first split
     m_right_tokens: float = 0.0
+    c_left_tokens: int = 0  # the first per-step prefill budgets
+    c_right_tokens: int = 0
     side: list[int] = field(default_factory=list)  # 0 = left, 1 = right, per entry of ``order``
+    steps: float = 0.0  # fluid-clock length of the scan, in decode steps
 
 
-def _window_density(comp: np.ndarray, mem: np.ndarray, lo: int, hi: int) -> float:
-    m = mem[lo:hi].sum()
-    return float(comp[lo:hi].sum() / m) if m > 0 else float("inf")
+class ScanEnds:
+    """The two ends of a density-ordered sequence: window densities (sum eff_comp / sum mem) and window means
+    of computed prompt and output tokens, each over the WINDOW requests nearest an end."""
+
+    def __init__(self, comp: np.ndarray, mem: np.ndarray, pc: np.ndarray, d: np.ndarray) -> None:
+        self.comp, self.mem, self.pc, self.d = comp, mem, pc, d
+
+    def _density(self, lo: int, hi: int) -> float:
+        m = self.mem[lo:hi].sum()
+        return float(self.comp[lo:hi].sum() / m) if m > 0 else float("inf")
+
+    def windows(self, left: int, right: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        return (left, min(left + WINDOW, right + 1)), (max(right + 1 - WINDOW, left), right + 1)
+
+    def split(self, left: int, right: int, rho_root: float, m_tokens: float) -> tuple[float, float]:
+        (a, b), (c, e) = self.windows(left, right)
+        return memory_split(m_tokens, rho_root, self._density(a, b), self._density(c, e))
+
+    def budgets(
+        self,
+        left: int,
+        right: int,
+        m_split: tuple[float, float],
+        chunk_tokens: int,
+        rho_root: float = 0.0,
+        live_mem_step_s: float = 0.0,
+    ) -> tuple[int, int]:
+        """(C_L, C_R) from the split (``step_budgets``). Where the split gives one side everything because
+        both ends are compute-heavy (the memory-heavy requests are all admitted, some still running), that
+        side's budget is capped at the rate that keeps each step at the job's density against the memory
+        work still running (``balance_budget``): the compute is spread over the running requests' decode
+        steps instead of being spent at once and leaving them a tail of memory-only steps."""
+        wins = self.windows(left, right)
+        means = tuple((float(self.pc[lo:hi].mean()), float(self.d[lo:hi].mean())) for lo, hi in wins)
+        c = list(step_budgets(m_split, means, chunk_tokens))
+        if live_mem_step_s > 0:
+            for side, (lo, hi) in enumerate(wins):
+                if m_split[1 - side] <= 0 < m_split[side] and self._density(lo, hi) > rho_root:
+                    tokens, comp = float(self.pc[lo:hi].sum()), float(self.comp[lo:hi].sum())
+                    c[side] = min(c[side], balance_budget(rho_root, live_mem_step_s, tokens, comp))
+        return c[0], c[1]
+
+
+def balance_budget(rho_root: float, mem_step_s: float, window_tokens: float, window_comp_s: float) -> int:
+    """Prefill tokens per step that add rho_root x ``mem_step_s`` seconds of compute (the step's memory work
+    times the job's density) at the window's compute per computed token, at least one block (16). With the
+    memory-heavy side at its share M_R and rho_R near 0 this is the paper's C_L = N_L p / d (M_L = M rho_root /
+    rho_L gives the same tokens per step); it paces admissions, so it is not rounded up to the 128-token
+    chunk quantum (at a few hundred tokens per step that would run the compute side 20-30% fast)."""
+    if window_comp_s <= 0 or window_tokens <= 0:
+        return CHUNK_QUANTUM
+    return max(16, int(math.ceil(rho_root * mem_step_s * window_tokens / window_comp_s)))
 
 
 def dual_scan(
@@ -71,51 +165,81 @@ def dual_scan(
     m_tokens: float,
     chunk_tokens: int,
     computed_tokens: Sequence[float] | None = None,
+    enforce_budgets: bool = True,
 ) -> DualScanResult:
     """Play the dual scan over ``seq`` (request indices, density non-increasing left to right).
 
     ``eff_comp_s`` is each request's Comp with its shared prefix amortised ((1 - s_i) Comp_i), so window
     densities are sum(eff_comp) / sum(mem). ``computed_tokens`` are the prompt tokens a request really
-    computes (default: its whole prompt), which is what the prefill budget spends.
+    computes (default: its whole prompt), which is what the prefill budgets spend. Each step a side admits
+    while its KV share M_L / M_R has room and its prefill budget C_L / C_R has credit (``enforce_budgets``;
+    False: memory alone, the engine's chunk budget serving every prefill); a side with nothing running may
+    always start one request, and so may anyone when nothing runs at all.
     """
     n = len(seq)
     seq = list(seq)
     p = np.asarray(prompt_lens, dtype=np.float64)
     d = np.asarray(output_lens, dtype=np.float64)
     pc = p if computed_tokens is None else np.asarray(computed_tokens, dtype=np.float64)
-    comp_seq = np.asarray(eff_comp_s, dtype=np.float64)[seq] if n else np.zeros(0)
-    mem_seq = np.asarray(mem_s, dtype=np.float64)[seq] if n else np.zeros(0)
+    comp_a = np.asarray(eff_comp_s, dtype=np.float64)
+    mem_a = np.asarray(mem_s, dtype=np.float64)
+    idx = np.asarray(seq, dtype=np.int64)
+    take = (lambda a: a[idx]) if n else (lambda a: np.zeros(0))
+    ends = ScanEnds(take(comp_a), take(mem_a), take(pc), take(d))
     res = DualScanResult(order=[])
     left, right = 0, n - 1
     used = [0.0, 0.0]
-    heap: list[tuple[float, int, int, float]] = []  # (finish step, tiebreak, side, footprint)
-    now = prefill_clock = 0.0
+    live = [0, 0]
+    credit = [PrefillBudget(), PrefillBudget()]
+    heap: list[tuple[float, int, int, float, float]] = []  # (finish, tiebreak, side, footprint, mem per step)
+    mem_step = 0.0  # memory seconds per step of the running memory-heavy requests (density < rho_root)
+    prefill_clock = [0.0, 0.0]  # when each side's admitted prefills are done, at its budget's rate
+    now = 0.0
+    credited = -1.0  # the clock up to which the budgets have been credited
     tick = 0
     first = True
     while left <= right:
-        rho_l = _window_density(comp_seq, mem_seq, left, min(left + WINDOW, right + 1))
-        rho_r = _window_density(comp_seq, mem_seq, max(right + 1 - WINDOW, left), right + 1)
-        budget = memory_split(m_tokens, rho_root, rho_l, rho_r)
+        budget = ends.split(left, right, rho_root, m_tokens)
+        if enforce_budgets:
+            c = ends.budgets(left, right, budget, chunk_tokens, rho_root, mem_step)
+        else:
+            c = (chunk_tokens, chunk_tokens)
         if first:
             res.m_left_tokens, res.m_right_tokens = budget
+            res.c_left_tokens, res.c_right_tokens = c
             first = False
+        for side in (0, 1):
+            credit[side].new_step(c[side], now - credited)
+        credited = now
         batch: list[int] = []
+        credit_bound = False
         for side in (0, 1):
             while left <= right:
                 i = seq[left] if side == 0 else seq[right]
                 foot = p[i] + d[i] / 2
-                if used[side] + foot > budget[side] and (used[side] > 0 or budget[side] <= 0):
-                    if used[0] + used[1] > 0 or batch:
+                idle = live[0] + live[1] == 0
+                starter = live[side] == 0 and budget[side] > 0
+                if not idle and not starter:
+                    cap = max(budget[0], m_tokens - used[1]) if side == 0 else budget[1]
+                    if used[side] + foot > cap:
+                        break
+                    if enforce_budgets and not credit[side].open:
+                        credit_bound = True
                         break
                 used[side] += foot
+                live[side] += 1
+                credit[side].spend(pc[i])
                 if side == 0:
                     left += 1
                 else:
                     right -= 1
-                start = max(now, prefill_clock)
-                prefill_clock = start + pc[i] / chunk_tokens
+                rate = max(c[side], 1) if enforce_budgets else chunk_tokens
+                start = max(now, prefill_clock[side])
+                prefill_clock[side] = start + pc[i] / rate
+                per_step = mem_a[i] / d[i] if mem_a[i] > 0 and comp_a[i] < rho_root * mem_a[i] else 0.0
+                mem_step += per_step
                 tick += 1
-                heapq.heappush(heap, (prefill_clock + d[i], tick, side, foot))
+                heapq.heappush(heap, (prefill_clock[side] + d[i], tick, side, foot, per_step))
                 batch.append(i)
                 res.order.append(i)
                 res.side.append(side)
@@ -123,12 +247,17 @@ def dual_scan(
             res.batches.append(batch)
             tokens = float(pc[batch].sum())
             res.batch_prefill_tokens.append(int(math.ceil(tokens / CHUNK_QUANTUM) * CHUNK_QUANTUM))
-        if heap:  # the next request to finish frees its side's memory
-            now, _, side, foot = heapq.heappop(heap)
-            used[side] -= foot
-            while heap and heap[0][0] <= now:
-                _, _, s2, f2 = heapq.heappop(heap)
-                used[s2] -= f2
-            if not heap:
-                used = [0.0, 0.0]  # nothing runs: clear float residue
+        if left > right:
+            break
+        nxt = heap[0][0] if heap else now + 1
+        now = min(nxt, now + 1) if credit_bound else max(nxt, now + 1e-9)
+        while heap and heap[0][0] <= now:
+            _, _, s2, f2, m2 = heapq.heappop(heap)
+            used[s2] -= f2
+            live[s2] -= 1
+            mem_step -= m2
+        if not heap:
+            used = [0.0, 0.0]  # nothing runs: clear float residue
+            mem_step = 0.0
+    res.steps = max([now] + [h[0] for h in heap])
     return res

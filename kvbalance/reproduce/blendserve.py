@@ -93,7 +93,7 @@ def _run(
     row = {**extra, **res.row(), "plan_s": plan_s, "job_density": plan.stats.get("density")}
     chain = chain_bound_s(reqs, ctx)
     row["chain_bound_s"] = chain
-    row["bound_fraction"] = max(row["optimal_makespan_s"], chain) / row["makespan_s"]
+    row["bound_fraction"] = max(row["ideal_bound_s"], chain) / row["makespan_s"]
     row["planned_sharing"] = plan.stats.get("planned_sharing", plan.stats.get("dfs_sharing"))
     if planner == "blendserve":
         for key in ("sharing_kept", "split_leaf_fraction", "estimate_weighted_abs_error", "num_samples"):

@@ -2,6 +2,7 @@
 
 from kvbalance.offline.planners import (  # noqa: F401
     blendserve,
+    density_balance,
     fcfs,
     nanoflow_balance,
     nanoflow_dfs,

@@ -84,8 +84,8 @@ def dfs_plan_parts(
 
 
 def job_stats(requests: Sequence[Request], tree: PrefixTree, k: DensityConstants) -> dict:
-    """Job-level figures from the true output budgets: T_comp, T_mem, s_opt and the practical optimum
-    (re-annotates ``tree`` with the true lengths)."""
+    """Job-level figures from the true output budgets: T_comp, T_mem, s_opt and the ideal bound
+    max((1 - s_opt) T_comp, T_mem) (re-annotates ``tree`` with the true lengths)."""
     p, d = prompt_lens(requests), budget_lens(requests)
     tree.annotate(d, k)
     t_comp = float(comp_s(p, d, k).sum())
@@ -97,7 +97,7 @@ def job_stats(requests: Sequence[Request], tree: PrefixTree, k: DensityConstants
         "t_mem_s": t_mem,
         "dfs_sharing": s,
         "density": (1 - s) * t_comp / t_mem if t_mem else float("inf"),
-        "optimal_makespan_s": max((1 - s) * t_comp, t_mem),
+        "ideal_bound_s": max((1 - s) * t_comp, t_mem),
     }
 
 

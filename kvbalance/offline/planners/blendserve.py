@@ -4,9 +4,9 @@
 2. output lengths estimated from a ~1% warm-up sample spread over subtrees (``estimate.py``); the warm-up runs
    first and its outputs are kept;
 3. per-level sort by density and conditional node splitting, keeping >= 99% of the sharing (``split.py``);
-4. dual scanning of the density-ordered leaves from both ends with the KV memory split M_L / M_R
-   (``dual_scan.py`` plays it on a fluid clock into ``order``; ``admission.py`` plays it against the live
-   engine in the simulator);
+4. dual scanning of the density-ordered leaves from both ends under the KV memory split M_L / M_R and the
+   per-step prefill budgets C_L / C_R (``dual_scan.py`` plays it on a fluid clock into ``order``;
+   ``admission.py`` plays it against the live engine in the simulator);
 5. data parallelism: the tree cut into balanced subtrees, one per rank, each rank dual-scanned on its own.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from kvbalance.offline.admission import DualScanAdmission
 from kvbalance.offline.density import mem_s
-from kvbalance.offline.dual_scan import dual_scan, side_budget
+from kvbalance.offline.dual_scan import dual_scan
 from kvbalance.offline.plan import PLANNERS, OfflinePlan, PlanContext
 from kvbalance.offline.planners._common import (
     constants,
@@ -39,8 +39,14 @@ class BlendServePlanner:
     name = "blendserve"
     mode = "overlap"
 
-    def __init__(self, keep_sharing: float = 0.99) -> None:
+    def __init__(
+        self, keep_sharing: float = 0.99, enforce_budgets: bool = True, live_admission: bool = True
+    ) -> None:
+        """``enforce_budgets=False`` drops C_L / C_R (memory shares only); ``live_admission=False`` leaves
+        the engine the static ``order`` alone (both ablations)."""
         self.keep_sharing = keep_sharing
+        self.enforce_budgets = enforce_budgets
+        self.live_admission = live_admission
 
     def plan(self, requests: Sequence[Request], ctx: PlanContext) -> OfflinePlan:
         k = constants(ctx)
@@ -69,6 +75,7 @@ class BlendServePlanner:
                 m_tokens,
                 ctx.chunk_tokens,
                 amortised,
+                enforce_budgets=self.enforce_budgets,
             )
 
         leaves = tree.leaf_order()
@@ -90,18 +97,26 @@ class BlendServePlanner:
             estimate_total_rel_error=est.total_rel_error,
             m_left_tokens=ds.m_left_tokens,
             m_right_tokens=ds.m_right_tokens,
+            left_prefill_budget_tokens=ds.c_left_tokens,
+            right_prefill_budget_tokens=ds.c_right_tokens,
+            scan_steps=ds.steps,
             num_batches=len(ds.batches),
         )
-        if ds.order:
-            left = [i for i, s in zip(ds.order, ds.side) if s == 0] or ds.order[:1]
-            right = [i for i, s in zip(ds.order, ds.side) if s == 1] or ds.order[-1:]
-            for side, idx, m in (("left", left, ds.m_left_tokens), ("right", right, ds.m_right_tokens)):
-                n_side, c_side = side_budget(m, float(p[idx].mean()), float(d[idx].mean()))
-                stats[f"{side}_decode_requests"] = n_side
-                stats[f"{side}_prefill_budget_tokens"] = c_side
         plan = OfflinePlan(self.name, order, mode=self.mode, weights=weights, warmup=list(est.samples))
         rest = [i for i in leaves if i not in warm]
-        plan.admission = DualScanAdmission(est.samples, rest, amortised, d, eff_comp, mem, rho_root, m_tokens)
+        if self.live_admission:
+            plan.admission = DualScanAdmission(
+                est.samples,
+                rest,
+                amortised,
+                d,
+                eff_comp,
+                mem,
+                rho_root,
+                m_tokens,
+                chunk_tokens=ctx.chunk_tokens,
+                enforce_budgets=self.enforce_budgets,
+            )
         plan.batches = ds.batches
         plan.stats = stats
         plan.rank_fn = lambda n: self._ranks(n, tree, weights, est.samples, scan)

@@ -1,4 +1,6 @@
-"""``nanoflow-balance``: density-balanced order that ignores prefixes, on an overlapping engine.
+"""``density-balance``: a density-balanced order that ignores prefixes, on an overlapping engine (an ablation:
+BlendServe's dual scan without its prefix tree; the paper's NanoFlow-Balance is a random order,
+``nanoflow-balance``).
 
 Requests are sorted by their own density Comp / Mem (no sharing credited) and dual-scanned from both ends with
 the same memory split as BlendServe, so every batch blends compute- and memory-heavy work, but requests of one
@@ -21,9 +23,9 @@ from kvbalance.offline.tree import PrefixTree
 from kvbalance.request import Request
 
 
-@PLANNERS.register("nanoflow-balance")
-class NanoFlowBalancePlanner:
-    name = "nanoflow-balance"
+@PLANNERS.register("density-balance")
+class DensityBalancePlanner:
+    name = "density-balance"
     mode = "overlap"
 
     def plan(self, requests: Sequence[Request], ctx: PlanContext) -> OfflinePlan:
@@ -49,6 +51,8 @@ class NanoFlowBalancePlanner:
             self.name, order, mode=self.mode, weights=(p + d).astype(float).tolist(), warmup=list(est.samples)
         )
         plan.batches = ds.batches
-        plan.admission = DualScanAdmission(est.samples, seq, p, d, comp, mem, rho_root, kv_tokens(ctx))
+        plan.admission = DualScanAdmission(
+            est.samples, seq, p, d, comp, mem, rho_root, kv_tokens(ctx), chunk_tokens=ctx.chunk_tokens
+        )
         plan.stats = stats
         return plan
