@@ -29,15 +29,13 @@ GPT_FAST_NOTE = (
 VLLM_CI_A100 = "https://buildkite.com/vllm/performance-benchmark/builds/9523"
 VLLM_CI_H200 = "https://buildkite.com/vllm/performance-benchmark/builds/9515"
 VLLM_CI_H100 = "https://buildkite.com/vllm/performance-benchmark/builds/9555"
-VLLM_CI_VERSION = (
-    "vLLM main, V0 engine (perf-benchmark pipeline, builds 95xx; autumn 2024 by build numbering)"
-)
+VLLM_CI_VERSION = "vLLM main, V0 engine, 0.6 era (perf-benchmark builds 95xx: autumn 2024 by their numbering)"
 LATENCY_NOTE = (
     "benchmark_latency: 8 prompts of 32 tokens, 128 output tokens each, dummy weights, mean of 15 runs"
 )
 THROUGHPUT_NOTE = (
     "benchmark_throughput: 200 ShareGPT prompts (their own lengths, Llama tokenizer; simulated: 200 pairs "
-    "from the vLLM artifact's ShareGPT lengths, OPT tokenizer, 10 seeds), all at once"
+    "from the vLLM artifact's ShareGPT lengths, OPT tokenizer, 5 seeds), all at once"
 )
 
 
@@ -57,6 +55,7 @@ class Row:
     unit: str
     workload: dict = field(default_factory=dict)
     note: str = ""
+    compare: tuple[str, ...] = ()  # other profiles to simulate it under, for context (not scored)
 
 
 ROWS: tuple[Row, ...] = (
@@ -70,47 +69,52 @@ ROWS: tuple[Row, ...] = (
         "a100-80gb", 8, "bs1_tok_s", 328.43, "tok/s", {"prompt": 5, "output": 200}, GPT_FAST_NOTE),
     Row("gpt-fast-70b-tp8", GPT_FAST, "gpt-fast (torch.compile, CUDA graphs)", "gpt-fast", "llama-2-70b",
         "a100-80gb", 8, "bs1_tok_s", 62.50, "tok/s", {"prompt": 5, "output": 200}, GPT_FAST_NOTE),
-    Row("vllm-ci-a100-8b-latency", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-8b", "a100-80gb", 1,
+    Row("vllm-ci-a100-8b-latency", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-8b", "a100-80gb", 1,
         "batch_latency_s", 1.57927, "s", {"batch": 8, "prompt": 32, "output": 128}, LATENCY_NOTE),
-    Row("vllm-ci-a100-70b-latency", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-70b", "a100-80gb",
+    Row("vllm-ci-a100-70b-latency", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-70b", "a100-80gb",
         4, "batch_latency_s", 3.99059, "s", {"batch": 8, "prompt": 32, "output": 128},
         LATENCY_NOTE + "; Llama-3-70B (same shapes as llama-3.1-70b)"),
-    Row("vllm-ci-h200-8b-latency", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-8b", "h200", 1,
+    Row("vllm-ci-h200-8b-latency", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-8b", "h200", 1,
         "batch_latency_s", 0.833421, "s", {"batch": 8, "prompt": 32, "output": 128}, LATENCY_NOTE),
-    Row("vllm-ci-h200-70b-latency", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-70b", "h200", 4,
+    Row("vllm-ci-h200-70b-latency", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-70b", "h200", 4,
         "batch_latency_s", 2.07753, "s", {"batch": 8, "prompt": 32, "output": 128},
         LATENCY_NOTE + "; Llama-3-70B (same shapes as llama-3.1-70b)"),
-    Row("vllm-ci-h100-8b-latency", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-8b", "h100-sxm", 1,
+    Row("vllm-ci-h100-8b-latency", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-8b", "h100-sxm", 1,
         "batch_latency_s", 0.997542, "s", {"batch": 8, "prompt": 32, "output": 128}, LATENCY_NOTE),
-    Row("vllm-ci-h100-70b-latency", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-70b", "h100-sxm", 4,
+    Row("vllm-ci-h100-70b-latency", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-70b", "h100-sxm", 4,
         "batch_latency_s", 2.44447, "s", {"batch": 8, "prompt": 32, "output": 128},
         LATENCY_NOTE + "; Llama-3-70B (same shapes as llama-3.1-70b)"),
-    Row("vllm-ci-a100-8b-throughput", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-8b", "a100-80gb",
+    Row("vllm-ci-a100-8b-throughput", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-8b", "a100-80gb",
         1, "offline_rps", 11.0567, "req/s", {"requests": 200, "chunked": True}, THROUGHPUT_NOTE),
-    Row("vllm-ci-a100-70b-throughput", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-70b",
+    Row("vllm-ci-a100-70b-throughput", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-70b",
         "a100-80gb", 4, "offline_rps", 4.78859, "req/s", {"requests": 200, "chunked": False, "max_context": 8192},
         THROUGHPUT_NOTE + "; Llama-3-70B, 8K context: no chunked prefill"),
-    Row("vllm-ci-h200-8b-throughput", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-8b", "h200", 1,
+    Row("vllm-ci-h200-8b-throughput", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-8b", "h200", 1,
         "offline_rps", 22.5674, "req/s", {"requests": 200, "chunked": True}, THROUGHPUT_NOTE),
-    Row("vllm-ci-h200-70b-throughput", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-70b", "h200", 4,
+    Row("vllm-ci-h200-70b-throughput", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-70b", "h200", 4,
         "offline_rps", 9.83905, "req/s", {"requests": 200, "chunked": False, "max_context": 8192},
         THROUGHPUT_NOTE + "; Llama-3-70B, 8K context: no chunked prefill"),
-    Row("vllm-ci-h100-8b-throughput", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-8b", "h100-sxm", 1,
+    Row("vllm-ci-h100-8b-throughput", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-8b", "h100-sxm", 1,
         "offline_rps", 19.5005, "req/s", {"requests": 200, "chunked": True}, THROUGHPUT_NOTE),
-    Row("vllm-ci-h100-70b-throughput", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0", "llama-3.1-70b", "h100-sxm",
+    Row("vllm-ci-h100-70b-throughput", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-70b", "h100-sxm",
         4, "offline_rps", 8.86239, "req/s", {"requests": 200, "chunked": False, "max_context": 8192},
         THROUGHPUT_NOTE + "; Llama-3-70B, 8K context: no chunked prefill"),
 )  # fmt: skip
 
-SEEDS = tuple(range(10))
+# every vLLM CI row is also simulated under vllm-v0 (the A40-era profile, the default before issue 23)
+ROWS = tuple(Row(**(r.__dict__ | {"compare": ("vllm-v0",)})) if r.profile == "vllm-v0.6" else r for r in ROWS)
+
+SEEDS = tuple(range(5))
 
 
 def _config(row: Row, **kw) -> SimulateConfig:
     return SimulateConfig(model=row.model, gpu=row.gpu, tp=row.tp, engine=row.profile, **kw)
 
 
-def simulate(row: Row) -> dict:
-    """The row's simulated figure (and, for sampled workloads, every seed's)."""
+def simulate(row: Row, profile: str | None = None, seeds: tuple[int, ...] = SEEDS) -> dict:
+    """The row's simulated figure under its profile (or ``profile``), and for sampled workloads every seed's."""
+    if profile is not None:
+        row = Row(**(row.__dict__ | {"profile": profile}))
     w = row.workload
     if row.kind == "bs1_tok_s":
         cfg = _config(row, workload=f"fixed:{w['prompt']}:{w['output']}", rate=math.inf, num_requests=1,
@@ -123,7 +127,7 @@ def simulate(row: Row) -> dict:
         return {"value": run_simulation(cfg, report=False).summary["makespan_s"], "seeds": []}
     if row.kind == "offline_rps":
         vals = []
-        for seed in SEEDS:
+        for seed in seeds:
             policy = {"policy": "sarathi", "chunk_size": 512} if w["chunked"] else {"policy": "vllm"}
             cfg = _config(row, workload="sharegpt-trace", rate=math.inf, num_requests=w["requests"], seed=seed,
                           max_context=w.get("max_context"), **policy)  # fmt: skip
@@ -134,8 +138,8 @@ def simulate(row: Row) -> dict:
 
 def table(results: list[dict]) -> str:
     head = (
-        "| row | model | GPU x TP | engine (profile) | workload | measured | simulated | error |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- |"
+        "| row | model | GPU x TP | engine (profile) | workload | measured | simulated | error | other profiles |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
     )
     lines = [head]
     for r in results:
@@ -145,7 +149,11 @@ def table(results: list[dict]) -> str:
         lines.append(
             f"| [{r['id']}]({r['source'].split(' ')[0]}) | {r['model']} | {r['gpu']} x{r['tp']} | "
             f"{r['engine_version']} (`{r['profile']}`) | {r['note']} | {r['measured']:.4g} {r['unit']} | "
-            f"{r['simulated']:.4g} {r['unit']}{spread} | {100 * r['error']:+.1f}% |"
+            f"{r['simulated']:.4g} {r['unit']}{spread} | {100 * r['error']:+.1f}% | "
+            + "; ".join(
+                f"`{k}` {v:.4g} ({100 * (v / r['measured'] - 1):+.1f}%)" for k, v in r["others"].items()
+            )
+            + " |"
         )
     errs = sorted(abs(r["error"]) for r in results)
     lines.append("")
@@ -159,6 +167,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default=None, help="comma-separated row ids (default: all)")
     p.add_argument("--out", default=None, help="folder for validation.json")
+    p.add_argument("--seeds", type=int, default=len(SEEDS), help="seeds of the sampled ShareGPT workloads")
     args = p.parse_args()
     rows = ROWS
     if args.rows:
@@ -170,12 +179,22 @@ def main() -> None:
     results = []
     for row in rows:
         get_engine(row.profile)
-        sim = simulate(row)
+        seeds = tuple(range(args.seeds))
+        sim = simulate(row, seeds=seeds)
+        others = {p: simulate(row, p, seeds)["value"] for p in row.compare}
         results.append(
             asdict(row)
-            | {"simulated": sim["value"], "seeds": sim["seeds"], "error": sim["value"] / row.measured - 1.0}
+            | {
+                "simulated": sim["value"],
+                "seeds": sim["seeds"],
+                "error": sim["value"] / row.measured - 1.0,
+                "others": others,
+            }
         )
-        print(f"{row.id}: measured {row.measured:.4g}, simulated {sim['value']:.4g} {row.unit}", flush=True)
+        print(
+            f"{row.id}: measured {row.measured:.4g}, simulated {sim['value']:.4g} {row.unit} {others}",
+            flush=True,
+        )
     md = table(results)
     print(md)
     if args.out:

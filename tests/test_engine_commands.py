@@ -198,6 +198,9 @@ def test_validation_harness_computes_gpt_fast_tokens_per_second_from_the_steps()
     assert len({r.id for r in val.ROWS}) == len(val.ROWS) >= 8
     assert all(r.source.startswith("https://") and r.measured > 0 for r in val.ROWS)
     md = val.table(
-        [{**r.__dict__, "simulated": 2 * r.measured, "error": 1.0, "seeds": []} for r in val.ROWS[:2]]
+        [
+            {**r.__dict__, "simulated": 2 * r.measured, "error": 1.0, "seeds": [], "others": {}}
+            for r in val.ROWS[:2]
+        ]
     )
     assert md.endswith("2 rows: median |error| 100.0%, worst 100.0%")

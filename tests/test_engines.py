@@ -299,3 +299,26 @@ def test_current_engines_hide_host_work_that_vllm_v0_pays():
     v1 = ENGINES["vllm-v1"]
     assert t["vllm-v1"] == pytest.approx(gpu + v1.sync_s)  # 128 x 21.5 us of host work hides under ~22 ms
     assert CostModel("llama-2-7b", "a100-80gb").gpu_step([]) == StepBreakdown()
+
+
+def test_an_engines_own_all_reduce_takes_small_messages_over_nvlink_where_it_is_faster():
+    v1 = get_engine("vllm-v1")
+    # 4 x H100, 128 KB (a decode of 8 tokens of an 8192-wide model): 6 us + 1.5 x 128 KiB / 197 GB/s
+    assert v1.allreduce_s(131072, 4, 30e-6, True) == pytest.approx(6e-6 + 1.5 * 131072 / 1.97e11)
+    assert v1.allreduce_s(131072, 4, 30e-6, False) == 30e-6  # PCIe: NCCL only
+    assert v1.allreduce_s(9 << 20, 4, 1e-3, True) == 1e-3  # above 8 MiB: NCCL
+    assert v1.allreduce_s(4 << 20, 4, 20e-6, True) == 20e-6  # NCCL faster there: the engine picks it
+    assert v1.allreduce_s(131072, 1, 30e-6, True) == 30e-6 and v1.allreduce_s(0, 4, 0.0, True) == 0.0
+    decode = {
+        e: CostModel("llama-3.1-70b", "h100-sxm", 4, engine=e).comm_s(8) for e in ("vllm-v0", "vllm-v1")
+    }
+    assert decode["vllm-v1"] == pytest.approx(160 * (6e-6 + 1.5 * 8 * 8192 * 2 / 1.97e11))
+    assert decode["vllm-v0"] > 4 * decode["vllm-v1"]  # NCCL's fitted 29.5 us per all-reduce
+    prefill = {
+        e: CostModel("llama-3.1-70b", "h100-sxm", 4, engine=e).comm_s(512) for e in ("vllm-v0", "vllm-v1")
+    }
+    assert prefill["vllm-v0"] == prefill["vllm-v1"]  # 8 MiB messages: the ring is faster
+    pcie = {e: CostModel("llama-2-13b", "a40", 2, engine=e).comm_s(8) for e in ("vllm-v0", "vllm-v1")}
+    assert pcie["vllm-v0"] == pcie["vllm-v1"]
+    with pytest.raises(ValueError, match="custom_allreduce_bandwidth_bytes_s: must be > 0"):
+        dataclasses.replace(v1, custom_allreduce_bandwidth_bytes_s=0.0)

@@ -101,8 +101,14 @@ def test_tp2_halves_weight_bytes_and_adds_allreduce():
     assert tp1.step(seqs).comm_s == 0.0
     m, link = tp2.model, get_link("nvlink")
     tokens = 1
-    per = 2 * (2 - 1) / 2 * tokens * m.hidden_size * m.dtype_bytes / link.bandwidth_bytes_s + link.latency_s
-    assert tp2.step(seqs).comm_s == pytest.approx(2 * m.num_layers * per)
+    nbytes = tokens * m.hidden_size * m.dtype_bytes
+    per = 2 * (2 - 1) / 2 * nbytes / link.bandwidth_bytes_s + link.latency_s  # the link's (NCCL) ring
+    nccl_only = CostModel("llama-2-13b", "a100-80gb", tp=2, engine="vllm-v0")
+    assert nccl_only.step(seqs).comm_s == pytest.approx(2 * m.num_layers * per)
+    # the default engine (vllm-v1) takes this small message with its own all-reduce kernel over NVLink: 6 us +
+    # 2 (tp - 1) / tp * bytes / 197 GB/s, faster than the datasheet link's 8 us latency
+    own = tp2.engine.custom_allreduce_latency_s + nbytes / tp2.engine.custom_allreduce_bandwidth_bytes_s
+    assert own < per and tp2.step(seqs).comm_s == pytest.approx(2 * m.num_layers * own)
     assert tp2.kv_bytes_per_token == m.kv_bytes_per_token // 2
     assert breakdown_total_s(tp2.step(seqs)) < breakdown_total_s(tp1.step(seqs))
 

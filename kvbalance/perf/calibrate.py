@@ -139,8 +139,9 @@ class _Features:
 def predict_samples(
     model: ModelSpec | str, hw: HardwareSpec, samples: Sequence[ProfileSample], tp: int = 1
 ) -> np.ndarray:
-    """Predicted seconds for each sample's step (vectorised; equals ``CostModel.step_seconds``)."""
-    cm = CostModel(model, hw, tp)
+    """Predicted seconds for each sample's step (vectorised; equals ``CostModel.step_seconds`` under the
+    ``hardware`` engine profile: the spec's own host terms, paid serially, over its own TP link)."""
+    cm = CostModel(model, hw, tp, engine="hardware")
     return _Features(cm, samples).predict(hw)
 
 
@@ -227,7 +228,7 @@ def fit_hardware(
     measured = np.array([float(t) for _, t in samples])
     if not np.all(measured > 0):
         raise ValueError("samples: every measured time must be > 0 seconds")
-    feats = _Features(CostModel(m, base, tp), samples)
+    feats = _Features(CostModel(m, base, tp, engine="hardware"), samples)
     log_meas = np.log(measured)
 
     def spec_of(u: np.ndarray) -> HardwareSpec:

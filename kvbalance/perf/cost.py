@@ -282,10 +282,14 @@ class CostModel:
         return ops
 
     def comm_s(self, num_tokens: int) -> float:
-        """Tensor-parallel all-reduce time: two per layer (after attention and after the MLP)."""
+        """Tensor-parallel all-reduce time: two per layer (after attention and after the MLP), over the link
+        (NCCL's fitted ring), or the engine's own all-reduce kernel where it has one and it is faster."""
         if self.tp == 1 or num_tokens == 0:
             return 0.0
-        per = allreduce_time(num_tokens * self._h * self._dt, self.tp, self.link)
+        num_bytes = num_tokens * self._h * self._dt
+        per = allreduce_time(num_bytes, self.tp, self.link)
+        if self.engine.custom_allreduce_max_bytes:
+            per = self.engine.allreduce_s(num_bytes, self.tp, per, self.link.name.startswith("nvlink"))
         return 2 * self.model.num_layers * per
 
     # -- predictions -------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ DEFAULT_ENGINE = "vllm-v1"  # a GPU preset's default: a current engine
 CPU_DEFAULT_ENGINE = "hardware"  # a CPU spec (kvbalance profile) was fitted on the real engine's own steps
 
 _BOOL_FIELDS = ("host_from_hardware", "overlap")
-_INT_FIELDS = ("cuda_graph_max_seqs", "cuda_graph_max_tokens")
+_INT_FIELDS = ("cuda_graph_max_seqs", "cuda_graph_max_tokens", "custom_allreduce_max_bytes")
 _TIME_FIELDS = (
     "host_fixed_s",
     "host_per_seq_s",
@@ -54,8 +54,10 @@ _TIME_FIELDS = (
     "sync_s",
     "graph_launch_s",
     "eager_launch_per_kernel_s",
+    "custom_allreduce_latency_s",
 )
-PARAMS = _BOOL_FIELDS + _TIME_FIELDS + _INT_FIELDS  # every one needs a value and a source in a profile file
+_RATE_FIELDS = ("custom_allreduce_bandwidth_bytes_s",)
+PARAMS = _BOOL_FIELDS + _TIME_FIELDS + _INT_FIELDS + _RATE_FIELDS  # each needs a value and a source in a file
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,9 @@ class EngineProfile:
     cuda_graph_max_tokens: int = 0
     graph_launch_s: float = 0.0
     eager_launch_per_kernel_s: float = 0.0
+    custom_allreduce_max_bytes: int = 0
+    custom_allreduce_latency_s: float = 0.0
+    custom_allreduce_bandwidth_bytes_s: float = 0.0
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
 
@@ -102,6 +107,17 @@ class EngineProfile:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"engine {self.name}: {f}: must be an integer >= 0, got {v!r}")
+        for f in _RATE_FIELDS:
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+                raise ValueError(
+                    f"engine {self.name}: {f}: must be a finite number >= 0 (bytes/s), got {v!r}"
+                )
+        if self.custom_allreduce_max_bytes > 0 and not self.custom_allreduce_bandwidth_bytes_s > 0:
+            raise ValueError(
+                f"engine {self.name}: custom_allreduce_bandwidth_bytes_s: must be > 0 when "
+                f"custom_allreduce_max_bytes > 0"
+            )
 
     @property
     def has_graphs(self) -> bool:
@@ -133,6 +149,19 @@ class EngineProfile:
         if self.uses_graph(num_seqs, num_tokens):
             return self.graph_launch_s
         return self.eager_launch_per_kernel_s * num_kernels
+
+    def allreduce_s(self, num_bytes: float, tp: int, link_time_s: float, nvlink: bool) -> float:
+        """One all-reduce of ``num_bytes`` among ``tp`` GPUs: the link's (NCCL) time ``link_time_s``, or, for a
+        message of at most ``custom_allreduce_max_bytes`` over NVLink, the engine's own all-reduce kernel
+        (``custom_allreduce_latency_s + 2 (tp - 1) / tp * bytes / custom_allreduce_bandwidth_bytes_s``) where
+        that is faster, as vLLM picks its custom all-reduce only for sizes where it wins."""
+        if not nvlink or tp <= 1 or num_bytes <= 0 or num_bytes > self.custom_allreduce_max_bytes:
+            return link_time_s
+        own = (
+            self.custom_allreduce_latency_s
+            + 2.0 * (tp - 1) / tp * num_bytes / self.custom_allreduce_bandwidth_bytes_s
+        )
+        return own if own < link_time_s else link_time_s
 
     def to_dict(self) -> dict[str, Any]:
         """The profile as a profile file holds it: ``{name, engine, description, params: {p: {value, source}}}``."""

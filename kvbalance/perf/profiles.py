@@ -182,19 +182,25 @@ def load_operator_samples(root: str | os.PathLike, gpu: str) -> list[OperatorSam
     return out
 
 
-def load_host_samples(root: str | os.PathLike, gpu: str = "a40") -> list[HostSample]:
-    """vLLM host time per step (``HOST_PARTS`` medians summed) by model, batch size and TP degree."""
+def load_host_samples(
+    root: str | os.PathLike, gpu: str = "a40", parts: tuple[str, ...] = HOST_PARTS
+) -> list[HostSample]:
+    """vLLM host time per step (the medians of ``parts``, by default ``HOST_PARTS``, summed) by model, batch
+    size and TP degree. ``parts`` picks a subset, e.g. the parts an engine still runs serially."""
+    unknown = sorted(set(parts) - set(HOST_PARTS))
+    if unknown or not parts:
+        raise ValueError(f"parts: must be a non-empty subset of {', '.join(HOST_PARTS)}, got {parts!r}")
     path = Path(root) / "vidur" / "cpu_overheads" / gpu / "cpu_overheads.csv"
     if not path.is_file():
         raise ValueError(f"profiles: no host-overhead profile at {path}")
     out = []
     with path.open(newline="") as f:
         for row in csv.DictReader(f):
-            parts = [_ms(row, f"{p}_median", path) for p in HOST_PARTS]
-            if any(p is None for p in parts):
-                raise ValueError(f"{HOST_PARTS}: a part is missing in a row of {path}")
+            times = [_ms(row, f"{p}_median", path) for p in parts]
+            if any(t is None for t in times):
+                raise ValueError(f"{parts}: a part is missing in a row of {path}")
             b, tp = _int(row, "batch_size", path), _int(row, "tensor_parallel_degree", path)
-            out.append(HostSample(row.get("model_name", ""), b, tp, float(sum(parts))))
+            out.append(HostSample(row.get("model_name", ""), b, tp, float(sum(times))))
     return out
 
 
