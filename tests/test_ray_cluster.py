@@ -369,3 +369,24 @@ def test_pd_with_smollm2_gives_the_single_instance_tokens(ray_session):
         assert_no_leak(b)
     finally:
         c.close()
+
+
+def test_llumnix_pairing_moves_requests_between_actors_and_tokens_stay_the_same(store_cluster):
+    from kvbalance.cluster.llumnix import LlumnixSection
+
+    b = store_cluster.backend
+    moved_before = len([m for m in b.migrations.log if m.outcome == "committed"])
+    # every instance with a request counts as short of KV (threshold far above any freeness), an idle one as
+    # free: the request moves to the idle instance, then back, every pairing round
+    b.set_llumnix(LlumnixSection(pair_interval_s=0.05, migrate_out_threshold_blocks=1e9))
+    try:
+        ps = prompts(2, seed=31)
+        ids = submit(b, ps, [48, 2], "ll")
+        tokens, failed = drive(b)
+    finally:
+        b.set_llumnix(None)
+    assert not failed
+    assert [tokens[i] for i in ids] == reference(ps, [48, 2])
+    moves = [m for m in b.migrations.log if m.outcome == "committed"]
+    assert len(moves) - moved_before >= 1 and not b.migrations.active
+    assert_no_leak(b)

@@ -134,6 +134,7 @@ class ClusterBackend:
         self.num_reports = 0
         self._t0 = time.perf_counter()
         self.migrations = LiveMigrations(self, config.llumnix, block_bytes=first.kv_bytes_per_block)
+        self.llumnix = config.llumnix  # Llumnix's pairing rounds run while it is set
         self._build_routers()
 
     # -- facts --------------------------------------------------------------------------------
@@ -279,6 +280,12 @@ class ClusterBackend:
             s.alive and (s.outbox or s.in_flight is not None) for s in self.slots
         )
 
+    def set_llumnix(self, section) -> None:
+        """Turn Llumnix's automatic pairing on (a ``LlumnixSection``) or off (None); moves in flight go on."""
+        self.llumnix = section
+        if section is not None:
+            self.migrations.section = section
+
     def migrate(self, request_id: str, dst: int) -> bool:
         """Start a live migration of ``request_id`` to instance ``dst`` (both colocated); False if it cannot."""
         t = self.tracked.get(request_id)
@@ -320,7 +327,7 @@ class ClusterBackend:
                 self._died(s, exc, outputs)
                 continue
             self._on_report(s, report, outputs)
-        if self.config.llumnix is not None:
+        if self.llumnix is not None:
             loads = {s.index: self.effective_load(s) for s in self.live(("colocated",))}
             if len(loads) > 1:
                 self.migrations.tick(loads, self._block_size)
