@@ -69,6 +69,7 @@ def build_sim_instance(
         enable_prefix_caching=cfg.enable_prefix_caching,
         max_context=max_context,
         elastic=elastic,
+        prefix_caching_hash_algo=cfg.prefix_caching_hash_algo,
     )
     return build_instance(icfg, SimExecutor(cost), connector), cost
 
