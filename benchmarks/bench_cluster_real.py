@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     preset = args.preset or fit_preset(args.model, out)
     from kvbalance.raycluster.launch import start_ray
 
-    owns = start_ray(num_cpus=max(2, os.cpu_count() or 1), temp_dir=out / "ray-tmp")
+    owns = start_ray(num_cpus=max(2, os.cpu_count() or 1))
     cmd = " ".join(sys.argv[1:] if argv is None else argv)
     results = {"command": f"python benchmarks/bench_cluster_real.py {cmd}".strip(), "preset": preset,
                "args": vars(args), "setups": {n: [] for n in names}}  # fmt: skip

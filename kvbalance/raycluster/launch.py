@@ -11,6 +11,7 @@ routes, streaming, errors, API key, limits; ``/metrics`` gains the per-instance 
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from kvbalance.raycluster.backend import ClusterBackend, Slot
 from kvbalance.raycluster.config import EngineArgs, ServeClusterConfig
 from kvbalance.raycluster.store import KVStoreActor
 
+RAY_SOCKET_SUFFIX_BYTES = 70  # "/session_2026-12-03_14-50-55_145613_7427/sockets/plasma_store", with room
 STARTUP_TIMEOUT_S = 600.0  # actors loading their models (SmolLM2's first conversion takes a while)
 
 
@@ -43,10 +45,22 @@ def start_ray(
         return True
     kwargs = {}
     if temp_dir is not None:
-        Path(temp_dir).mkdir(parents=True, exist_ok=True)
-        kwargs["_temp_dir"] = str(Path(temp_dir).resolve())
+        kwargs["_temp_dir"] = short_temp_dir(temp_dir)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, **kwargs)
     return True
+
+
+def short_temp_dir(temp_dir: str | Path) -> str:
+    """``temp_dir`` (created), or a short link to it under /tmp when Ray's socket paths under it would pass
+    the 107-byte limit of a Unix socket path (Ray adds ``session_<date>_<pid>/sockets/plasma_store``)."""
+    path = Path(temp_dir).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    if len(str(path)) + RAY_SOCKET_SUFFIX_BYTES <= 107:
+        return str(path)
+    link = Path(tempfile.mkdtemp(prefix="kvb-ray-"))
+    link.rmdir()
+    link.symlink_to(path, target_is_directory=True)
+    return str(link)
 
 
 def cpus_of(cores: str | None) -> int:
