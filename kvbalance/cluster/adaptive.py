@@ -15,6 +15,12 @@ gives up the blocks that will hold the moved weights and the moved layers' part 
 cannot cover is not a candidate); when it lands, the source's pool grows, its blocks now holding ``k`` of
 ``L`` layers. An attention-level move keeps both pools' sizes (the helper's ledger holds the moved heads'
 K/V; the source's blocks keep their full size). The ledger (``memory``) keeps the bytes, per move in ``log``.
+
+With ``role_flip`` (``cluster/role_flip.py``) each tick first asks whether a whole instance should change
+role between prefill and decode (the load's mix shifted); a flip and a move are never decided in the same
+tick, and an instance engaged in a move does not flip. Every tick is recorded in ``trace``: the utilisation
+of each GPU the policy saw, the imbalance signal, the per-role signals, and the decision taken or skipped with
+its reason (``trace_dict()`` for results and plots).
 """
 
 from __future__ import annotations
@@ -35,12 +41,16 @@ from kvbalance.cluster.migration_memory import (
     reserve_move,
 )
 from kvbalance.cluster.monitor import GPUUtilization
+from kvbalance.cluster.role_flip import MemberSignal, RoleFlipConfig, RoleFlipPolicy
 
 if TYPE_CHECKING:
     from kvbalance.cluster.core import Cluster, Member
 
 
 _DEFAULTS = MigrationConfig()
+_FLIP = RoleFlipConfig()
+_SECTION_ONLY = {"window_s", "control_interval_s", "helper_kv_lend_fraction", "role_flip", "moves", "flip_start_util",
+                 "flip_min_gain", "flip_cooldown_s", "ttft_slo_s", "tpot_slo_s"}  # fmt: skip
 
 
 class MigrationSection(BaseModel):
@@ -63,6 +73,16 @@ class MigrationSection(BaseModel):
     # share of a helper's KV pool a layer move may take (moved weights + moved layers' KV): the helper was
     # picked because it is underused, not idle; keeping half lets it absorb a doubling of its own load
     helper_kv_lend_fraction: float = Field(0.5, ge=0, le=1)
+    # role flips of whole instances between prefill and decode (cluster/role_flip.py); off by default: the
+    # layer- and attention-level moves alone are BanaServe's algorithm as published
+    role_flip: bool = False
+    moves: bool = True  # layer- and attention-level moves (False: role flips only)
+    flip_start_util: float = Field(_FLIP.start_util, ge=0)
+    flip_min_gain: float = Field(_FLIP.min_gain, ge=0)
+    flip_cooldown_s: float = Field(_FLIP.cooldown_s, ge=0)
+    # the SLOs the flip signals are measured against (None: the simulate config's, else 1 s / 0.1 s)
+    ttft_slo_s: float | None = Field(None, gt=0)
+    tpot_slo_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _valid(self) -> MigrationSection:
@@ -70,9 +90,10 @@ class MigrationSection(BaseModel):
         return self
 
     def to_config(self) -> MigrationConfig:
-        return MigrationConfig(
-            **self.model_dump(exclude={"window_s", "control_interval_s", "helper_kv_lend_fraction"})
-        )
+        return MigrationConfig(**self.model_dump(exclude=_SECTION_ONLY))
+
+    def flip_config(self) -> RoleFlipConfig:
+        return RoleFlipConfig(self.flip_start_util, self.flip_min_gain, self.flip_cooldown_s)
 
 
 def _step_model(m: Member) -> MigratedStepModel:
@@ -103,20 +124,42 @@ class MigrationController:
         self._s_per_token: dict[int, float] = {}  # member index -> prefill seconds per token (cost model)
         # source member index -> (its pool size once its layer move lands, the helper's pool size before)
         self._pool_plan: dict[int, tuple[int, int]] = {}
+        self.ttft_slo_s = section.ttft_slo_s or 1.0
+        self.tpot_slo_s = section.tpot_slo_s or 0.1
+        pd = any(m.role != "colocated" for m in cluster.members)
+        self.flips = (
+            RoleFlipPolicy(section.flip_config(), self.ttft_slo_s) if section.role_flip and pd else None
+        )
+        self.moves = section.moves
+        self.trace: list[tuple] = []  # per tick: (t, utils, imbalance, flip signals, action, reason)
         for g, m in self.gpu_of.items():
             cm = m.instance.executor.cost_model
             self.memory[g] = GPUMemory(cm.gpu.mem_capacity_bytes, cm.model.weight_bytes // cm.tp)
 
     # -- the tick --------------------------------------------------------------------------------------
     def __call__(self, cluster: Cluster, now: float, snap: dict[str, GPUUtilization]) -> None:
-        utils = {
-            g: replace(snap[g], queue_util=self._backlog_s(m) / self.window_s)
-            for g, m in self.gpu_of.items()
-            if m.index not in self.engaged
+        backlog = {m.index: self._backlog_s(m) for m in cluster.members}
+        seen = {
+            g: replace(snap[g], queue_util=backlog[m.index] / self.window_s) for g, m in self.gpu_of.items()
         }
-        if len(utils) < 2:
+        utils = {g: u for g, u in seen.items() if self.gpu_of[g].index not in self.engaged}
+        signals = None
+        if self.flips is not None:
+            flip, signals = self._flip(cluster, now, seen, backlog)
+            if flip.action != "none":
+                self._record(now, seen, None, signals, flip.action, f"{flip.member}: {flip.reason}")
+                return
+            if not self.moves:
+                self._record(now, seen, None, signals, "none", flip.reason)
+                return
+        if not self.moves:
+            self._record(now, seen, None, signals, "none", "layer and attention moves off")
             return
-        _, mig = self.migrator.step(now, utils, lambda: self._candidates(utils), on_finish=self._apply)
+        if len(utils) < 2:
+            self._record(now, seen, None, signals, "none", "fewer than two instances free to move")
+            return
+        d, mig = self.migrator.step(now, utils, lambda: self._candidates(utils), on_finish=self._apply)
+        self._record(now, seen, d.imbalance, signals, d.action, d.reason)
         if mig is None:
             return
         c = mig.candidate
@@ -128,6 +171,70 @@ class MigrationController:
         if c.kind != LAYER:
             self._moved_rids = dict(self._snapshot_decodes(self.gpu_of[c.src]))
         cluster.loop.at(mig.finish_s, self.migrator.advance, mig.finish_s)
+
+    def _record(self, now, seen, imbalance, signals, action, reason) -> None:
+        sig = None if signals is None else (signals.prefill_queue_s, signals.prefill_util, signals.decode_util,
+                                            signals.num_prefill)  # fmt: skip
+        self.trace.append((now, [seen[g].combined for g in self.gpu_of], imbalance, sig, action, reason))
+
+    def trace_dict(self) -> dict:
+        """The trace as columns: per-GPU utilisation, imbalance, flip signals, decisions and their reasons."""
+        t = self.trace
+        sig = [x[3] for x in t]
+        return {
+            "gpus": list(self.gpu_of),
+            "instances": [m.name for m in self.gpu_of.values()],
+            "t_s": [x[0] for x in t],
+            "util": [x[1] for x in t],  # one list per tick, in ``gpus`` order
+            "imbalance": [x[2] for x in t],
+            "prefill_queue_ttft": [s[0] if s else None for s in sig],
+            "prefill_util": [s[1] if s else None for s in sig],
+            "decode_util": [s[2] if s else None for s in sig],
+            "num_prefill": [s[3] if s else None for s in sig],
+            "action": [x[4] for x in t],
+            "reason": [x[5] for x in t],
+        }
+
+    # -- role flips ----------------------------------------------------------------------------------
+    def _decode_pressure(self, m: Member, now: float, kv_util: float) -> float:
+        """max(KV occupancy, the occupancy its requests will average from now on, mean step time over the
+        window / TPOT SLO). The second term looks ahead: a request's KV grows linearly from what it holds to
+        prompt + output, so the requests there (running and waiting) average ``(held + at the end) / 2``;
+        occupancy alone rose only as a decode-heavy period's requests grew, seconds after they arrived, and
+        the flips came late. (Counting hand-offs waiting there as full pressure was tried: one usually
+        waits a step for admission, and the signal flickered.)"""
+        ld = m.instance.load()
+        cap = ld.kv_capacity_tokens or 1
+        final = ld.kv_used_tokens + ld.remaining_output_tokens + ld.queued_prefill_tokens
+        ahead = (ld.kv_used_tokens + final) / 2 / cap
+        starts, durs = m.step_starts_s, m.step_durations_s
+        total = n = 0
+        i = len(starts) - 1
+        while i >= 0 and starts[i] >= now - self.window_s:
+            total += durs[i]
+            n += 1
+            i -= 1
+        step = total / n / self.tpot_slo_s if n else 0.0
+        return max(kv_util, ahead, step)
+
+    def _flip(self, cluster: Cluster, now: float, seen: dict, backlog: dict):
+        sigs = []
+        for g, m in self.gpu_of.items():
+            u = seen[g]
+            if m.role == "prefill":
+                util = u.time_util + (u.queue_util or 0.0)
+            else:
+                util = self._decode_pressure(m, now, u.kv_util)
+            ld = m.instance.load()
+            sigs.append(MemberSignal(m.name, m.role, util, backlog[m.index],
+                                     ld.num_running + ld.num_waiting + ld.num_loading,
+                                     m.index not in self.engaged))  # fmt: skip
+        d, signals = self.flips.decide(now, sigs)
+        if d.action != "none":
+            m = next(x for x in cluster.members if x.name == d.member)
+            cluster.set_role(m, "prefill" if d.action == "to_prefill" else "decode", d.reason)
+            self.flips.flipped(now)
+        return d, signals
 
     def _backlog_s(self, m: Member) -> float:
         """Seconds of prefill compute queued on ``m``: prompt tokens not yet computed (waiting requests and

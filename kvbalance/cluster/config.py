@@ -128,6 +128,12 @@ def build_cluster(sim: SimulateConfig, cfg: ClusterConfig, *, check_invariants: 
     if cfg.store is not None:
         bytes_per_block = sim.block_size * get_model(sim.model).kv_bytes_per_token
         store = GlobalKVStore(cfg.store.to_store_config(), bytes_per_block)
+    mig = cfg.migration
+    if (
+        mig is not None
+    ):  # the flip signals are measured against the run's SLOs unless the section sets its own
+        mig = mig.model_copy(update={"ttft_slo_s": mig.ttft_slo_s or sim.ttft_slo_s,
+                                     "tpot_slo_s": mig.tpot_slo_s or sim.tpot_slo_s})  # fmt: skip
     return Cluster(
         members,
         topo,
@@ -137,7 +143,7 @@ def build_cluster(sim: SimulateConfig, cfg: ClusterConfig, *, check_invariants: 
         pd_options={"layerwise_transfer": cfg.layerwise_transfer},
         store=store,
         check_invariants=check_invariants,
-        migration=cfg.migration,
+        migration=mig,
         llumnix=cfg.llumnix,
     )
 
@@ -192,6 +198,7 @@ def run_cluster(
             "decode_local_hit_rate": rates["decode_local_hit_rate"],
             "role_flips": len(cluster.role_log),
             "role_log": list(cluster.role_log),
+            "controller_trace": cluster.migration.trace_dict() if cluster.migration is not None else None,
             "pd_transfers": len(cluster.pd.handoffs) if cluster.pd else 0,
             "migrations": len(run.migrations) + live["request_migrations"],  # moves of either kind
             "migration_log": run.migrations,

@@ -11,6 +11,7 @@ one ``InstanceDriver`` per member), so the same seed gives the same run bit for 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ from kvbalance.cluster.monitor import UtilizationMonitor
 from kvbalance.cluster.routers import Router, build_router
 from kvbalance.cluster.topology import Topology
 from kvbalance.engine import InstanceLoad, StepOutcome
+from kvbalance.executor.sim import fast_paths_enabled
 from kvbalance.kvcache.store import GlobalKVStore
 from kvbalance.request import Request, RequestState
 from kvbalance.sim.loop import EventLoop, InstanceDriver
@@ -130,10 +132,20 @@ class Cluster:
 
             self.llumnix = LlumnixController(self, llumnix)
         self.role_log: list[dict] = []  # role flips: time, member, from, to, what it held then
+        # decode runs (sim/loop.py, exact) where arrivals are all that reads or changes a member from outside: no
+        # P/D hand-off, store, monitor or live migration, no per-step invariant checks
+        self._arrivals: list[float] = []  # pending arrival times (a heap): the members' horizon
+        outside = (self.pd, self.store, self.monitor, self.llumnix)
+        runs = fast_paths_enabled() and not check_invariants and all(x is None for x in outside)
+        self._running = False
         for m in self.members:
             m.driver = InstanceDriver(
-                self.loop, m.instance, on_step=self._step_hook(m), on_finish=self._finish_hook(m)
-            )
+                self.loop, m.instance, on_step=self._step_hook(m), on_finish=self._finish_hook(m),
+                horizon=self._next_arrival_s if runs else None,
+            )  # fmt: skip
+
+    def _next_arrival_s(self) -> float:
+        return self._arrivals[0] if self._arrivals else math.inf
 
     # -- roles ------------------------------------------------------------------
     def _refresh_roles(self) -> None:
@@ -194,6 +206,7 @@ class Cluster:
 
     # -- events -----------------------------------------------------------------
     def _arrive(self, req: Request) -> None:
+        heapq.heappop(self._arrivals)
         i = self.router.choose(req, self.loads(self.frontends))
         m = self.frontends[i]
         self.assignment[req.request_id] = m.index
@@ -291,7 +304,12 @@ class Cluster:
             self.loop.at(now + self.control_interval_s, self._tick)
 
     def submit(self, req: Request) -> None:
+        ahead = max(m.driver.run_end_s for m in self.members) if self._running else -math.inf
+        if req.arrival_s < ahead:
+            raise ValueError(f"arrival_s: {req.request_id} at {req.arrival_s} falls inside a decode run already "
+                             f"simulated (to {ahead}); submit arrivals before run(), or set KVBALANCE_SIM_FAST=0")  # fmt: skip
         self.loop.at(req.arrival_s, self._arrive, req)
+        heapq.heappush(self._arrivals, req.arrival_s)
 
     def run(self, requests: Sequence[Request]) -> ClusterRun:
         reqs = list(requests)
@@ -299,7 +317,11 @@ class Cluster:
             self.submit(req)
         if self.monitor is not None:
             self.loop.at(self.loop.now, self._tick)
-        self.loop.run()
+        self._running = True
+        try:
+            self.loop.run()
+        finally:
+            self._running = False
         for conn in (self.pd, self.store, self.llumnix):
             if conn is not None:
                 conn.check_drained()

@@ -86,7 +86,8 @@ class SloVerdict(Exception):
 
 @dataclass
 class SloCounter:
-    """A cluster's ``on_finish`` that raises ``SloVerdict`` as soon as ``good / n >= target`` is decided."""
+    """A cluster's ``on_finish`` that raises ``SloVerdict`` as soon as ``good / n >= target`` is decided
+    (over the requests ``counts`` accepts, all by default)."""
 
     num_requests: int
     target: float
@@ -94,6 +95,7 @@ class SloCounter:
     tpot_slo_s: float
     good: int = 0
     missed: int = 0
+    counts: Callable[[Request], bool] | None = None
 
     def __post_init__(self) -> None:
         n = self.num_requests
@@ -105,6 +107,8 @@ class SloCounter:
         self.need = need
 
     def __call__(self, req: Request) -> None:
+        if self.counts is not None and not self.counts(req):
+            return
         if meets_slo(req, self.ttft_slo_s, self.tpot_slo_s):
             self.good += 1
         else:
@@ -131,6 +135,9 @@ class Workbench:
     resolution: float = 0.05  # of the max-rate search, relative (hi / lo - 1)
     early_exit: bool = True  # stop a probe once its verdict is decided (exact; False: full runs)
     on_run: Callable[[], None] | None = None  # progress callback, once per simulated run (probes included)
+    # SLO attainment over the requests whose ``meta[key] == value`` only (e.g. ("phase", 0): one phase of a
+    # phase-shifting load); None: all of them
+    slo_meta: tuple[str, object] | None = None
     _cache: dict = field(default_factory=dict)
     _verdicts: dict = field(default_factory=dict)  # (config key, rate) -> passed
     # config key -> [(rate, attainment, exact)]; exact False: a stopped probe's bound (>= for a pass, <= a fail)
@@ -166,11 +173,18 @@ class Workbench:
                 self.on_run()
         return self._cache[k]
 
+    def counted(self, req: Request) -> bool:
+        return self.slo_meta is None or req.meta.get(self.slo_meta[0]) == self.slo_meta[1]
+
+    def attainment_of(self, reqs: Sequence[Request]) -> float:
+        mine = [r for r in reqs if self.counted(r)]
+        return sum(meets_slo(r, self.ttft_slo_s, self.tpot_slo_s) for r in mine) / len(mine) if mine else 1.0
+
     def attainment(self, cfg: ClusterConfig, rate: float) -> float:
         """SLO attainment at ``rate`` (a full run's; a stopped probe's bound: the verdict is exact)."""
         k = (self.key(cfg), rate)
         if k in self._cache or not self.early_exit:
-            a, exact = float(self.run(cfg, rate).summary["slo_attainment"]), True
+            a, exact = self.attainment_of(self.run(cfg, rate).run.requests), True
         else:
             a, exact = self._probe(cfg, rate)
         self._verdicts[k] = a >= SLO_TARGET
@@ -179,15 +193,15 @@ class Workbench:
 
     def _probe(self, cfg: ClusterConfig, rate: float) -> tuple[float, bool]:
         reqs = self.requests(rate)
-        counter = SloCounter(len(reqs), SLO_TARGET, self.ttft_slo_s, self.tpot_slo_s)
+        n = sum(1 for r in reqs if self.counted(r))
+        counter = SloCounter(n, SLO_TARGET, self.ttft_slo_s, self.tpot_slo_s, counts=self.counted)
         cluster = build_cluster(self.sim_config(rate), cfg)
         cluster.on_finish = counter
         try:
             cluster.run(reqs)
-            a, exact = sum(meets_slo(r, self.ttft_slo_s, self.tpot_slo_s) for r in reqs) / len(reqs), True
+            a, exact = self.attainment_of(reqs), True
         except SloVerdict as v:
             self.stopped_probes += 1
-            n = len(reqs)
             a, exact = (v.good / n if v.passed else 1 - v.missed / n), False  # a bound on the verdict's side
         if self.on_run:
             self.on_run()

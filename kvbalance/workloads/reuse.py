@@ -39,9 +39,9 @@ PRESETS = {
     # 64 documents of 1,536 tokens (LongBench-style contexts cut to a 2,048-token model), hot documents
     "docqa-zipf": "docqa:64:1536:16-64:16-128:1.2",
     "docqa-uniform": "docqa:64:1536:16-64:16-128:0",
-    # 2,048 documents: 3.1M tokens of context, more than 8 GPUs' KV caches hold (~0.45M tokens for a 13B
-    # model on 8 x 80 GB), far less than the global store's host memory
-    "docqa-large": "docqa:2048:1536:16-64:16-128:0.6",
+    # 320 documents: 0.49M tokens of context (0.40 TB for a 13B model), more than 8 A100-80GB's KV caches
+    # hold (~0.45M tokens, shared with the running requests), less than the global store's 512 GB
+    "docqa-large": "docqa:320:1536:16-64:16-128:0.6",
     # 256-token shared system prompt, 4 turns on average, 30 s between turns
     "chat": "chat:4:32-256:64-320:256:30",
 }

@@ -1,6 +1,14 @@
 """Routers, one class per module behind ``ROUTERS``: importing this package registers them all."""
 
-from kvbalance.cluster.routers import cache_aware, kv_aware, least_loaded, llumnix, load_aware, round_robin
+from kvbalance.cluster.routers import (
+    cache_aware,
+    kv_aware,
+    least_loaded,
+    llumnix,
+    load_aware,
+    round_robin,
+    store_aware,
+)
 from kvbalance.cluster.routers.base import ROUTERS, Router, build_router
 
 __all__ = [
@@ -13,4 +21,5 @@ __all__ = [
     "llumnix",
     "load_aware",
     "round_robin",
+    "store_aware",
 ]

@@ -1,0 +1,163 @@
+"""Role flips: move a whole instance between prefill and decode when the load's mix shifts (the coarsest of
+BanaServe's "dynamic module migration": all layers and all heads at once).
+
+A P/D split sized for one mix is wrong when the mix changes: in a prefill-heavy period the decode instances
+idle while prompts queue, in a decode-heavy one the reverse. Layer- and attention-level moves lend one GPU's
+spare compute to another's step and are kept once landed, so they cannot follow a mix that alternates every
+few tens of seconds (measured: 0-2 moves per run, none reversed). A flip is cheap and reversible: only where
+new work is routed changes (``Cluster.set_role``), the instance's queued and running requests finish there as
+they began, so no KV moves and no request stops.
+
+Signals, per role, from the monitor's window and the instances' queues (``RoleSignals``):
+
+- prefill pressure ``prefill_queue_s``: prompt compute queued on the prefill instances (seconds, mean over
+  them) over the TTFT SLO, the share of the TTFT budget a new request already waits for;
+  ``prefill_util``: their operator-time utilisation plus that queue over the window (mean; > 1 falls behind);
+- decode pressure ``decode_util``: mean over decode instances of max(KV occupancy, the occupancy their
+  requests will average from now on, mean step time / TPOT SLO): a decode instance is busy whenever it holds requests, so busy time says
+  nothing; its step time against the TPOT budget and its memory do.
+
+Decision (``decide``), after ``cooldown_s`` since the last flip, with BanaServe's objective (minimise the
+peak utilisation): each role's load per instance, ``U_p`` (prefill utilisation) and ``U_d`` (decode
+pressure), is what a flip redistributes: prompts spread over the prefill instances at once (their queues
+drain in seconds), so a flip from prefill to decode predicts ``max(U_p n_p / (n_p - 1), U_d n_d / (n_d + 1))``;
+decodes stay where they run, so a flip from decode to prefill predicts ``max(U_p n_p / (n_p + 1), mean
+pressure of the other decode instances)`` (scaling decode pressure by ``n_d / (n_d - 1)`` instead, tried
+first, kept every flip out for most of a prefill-heavy period after a decode-heavy one: the residents' KV
+held the pressure up although new decodes were short). Once the peak ``max(U_p, U_d)``
+reaches ``start_util``, the flip that lowers it most is taken if it lowers it by at least ``min_gain``;
+otherwise nothing, with the reason (the peak is low: both roles keep up; no flip lowers it enough: the
+roles are balanced, or both short and the cluster is overloaded). The instance that flips is the one with
+the least to carry over: for decode -> prefill the decode instance holding the fewest requests (its
+residents decode on, interleaved with prefill chunks, while new decodes go elsewhere), for prefill -> decode
+the prefill instance with the least queued. At least ``min_per_role`` instances stay in each role.
+
+A decode instance's pressure counts its residents, which a flip does not move: right after a decode-heavy
+period, decode pressure is still high while prompts queue, and a rule that needed spare decode capacity
+before flipping to prefill (tried first) waited out whole periods; the peak rule flips as soon as the
+prompts' queue is the larger shortage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoleFlipConfig:
+    """Thresholds of role flips (why each: the module docstring; fractions unless the name has a unit)."""
+
+    start_util: float = 0.6  # below this peak both roles keep up: no flip (no churn on a light load)
+    min_gain: float = 0.1  # a flip must lower the peak by more than the signals' noise
+    cooldown_s: float = 1.0  # queues and KV occupancy react at once; half the monitor's 2 s window
+    min_per_role: int = 1
+
+    def __post_init__(self) -> None:
+        for f in ("start_util", "min_gain", "cooldown_s"):
+            if not getattr(self, f) >= 0:
+                raise ValueError(f"{f}: must be >= 0, got {getattr(self, f)!r}")
+        if self.min_per_role < 1:
+            raise ValueError(f"min_per_role: must be >= 1, got {self.min_per_role}")
+
+
+@dataclass(frozen=True)
+class MemberSignal:
+    """One instance's load, as the flip policy sees it."""
+
+    name: str
+    role: str  # "prefill" or "decode"
+    util: float  # operator time + queued compute over the window (prefill), decode pressure (decode)
+    queue_s: float  # prompt compute queued there (seconds)
+    requests: int  # running + waiting + loading
+    flippable: bool = True  # False while it takes part in a layer or attention move
+
+
+@dataclass(frozen=True)
+class RoleSignals:
+    prefill_queue_s: float  # mean over prefill instances, in TTFT SLOs
+    prefill_util: float
+    decode_util: float
+    num_prefill: int
+    num_decode: int
+
+
+@dataclass(frozen=True)
+class FlipDecision:
+    action: str  # "none", "to_prefill" or "to_decode"
+    reason: str
+    member: str | None = None
+
+
+def role_signals(members: Sequence[MemberSignal], ttft_slo_s: float) -> RoleSignals:
+    pre = [m for m in members if m.role == "prefill"]
+    dec = [m for m in members if m.role == "decode"]
+
+    def mean(xs):
+        return sum(xs) / len(xs) if xs else 0.0
+
+    return RoleSignals(
+        prefill_queue_s=mean([m.queue_s for m in pre]) / ttft_slo_s,
+        prefill_util=mean([m.util for m in pre]),
+        decode_util=mean([m.util for m in dec]),
+        num_prefill=len(pre),
+        num_decode=len(dec),
+    )
+
+
+@dataclass
+class RoleFlipPolicy:
+    config: RoleFlipConfig
+    ttft_slo_s: float
+    last_flip_s: float | None = None
+
+    def decide(self, now: float, members: Sequence[MemberSignal]) -> tuple[FlipDecision, RoleSignals]:
+        cfg = self.config
+        sig = role_signals(members, self.ttft_slo_s)
+        if self.last_flip_s is not None and now < self.last_flip_s + cfg.cooldown_s:
+            return FlipDecision("none", "cooling down after a flip"), sig
+        up, ud, n_p, n_d = sig.prefill_util, sig.decode_util, sig.num_prefill, sig.num_decode
+        peak = max(up, ud)
+        if peak < cfg.start_util:
+            return FlipDecision("none", f"both roles keep up (peak {peak:.2f})"), sig
+        options = []
+        if n_d > cfg.min_per_role:
+            # the flipped decode instance keeps its residents: the others keep theirs, so their pressure is
+            # what they carry now (the new decodes it would have taken are the smaller part)
+            pick = self._pick(members, "decode")
+            rest = [m.util for m in members if m.role == "decode" and m is not pick]
+            if pick is not None and sum(rest) / len(rest) < 1.0:  # they keep room for new hand-offs
+                options.append((max(up * n_p / (n_p + 1), sum(rest) / len(rest)), "to_prefill", "decode"))
+        if n_p > cfg.min_per_role and self._pick(members, "prefill") is not None:
+            options.append((max(up * n_p / (n_p - 1), ud * n_d / (n_d + 1)), "to_decode", "prefill"))
+        if not options:
+            return FlipDecision("none", "no instance can be spared"), sig
+        after, action, role = min(options)
+        if peak - after < cfg.min_gain:
+            why = "overloaded" if min(up, ud) >= 1.0 else "balanced"
+            return FlipDecision(
+                "none", f"no flip lowers the peak enough ({why}: {peak:.2f} -> {after:.2f})"
+            ), sig
+        cands = [m for m in members if m.role == role and m.flippable]
+        key = (
+            (lambda m: (m.requests, m.util, m.name))
+            if role == "decode"
+            else (lambda m: (m.queue_s, m.requests, m.name))
+        )
+        pick = min(cands, key=key)
+        return FlipDecision(
+            action, f"peak {peak:.2f} -> {after:.2f} (prefill {up:.2f}, decode {ud:.2f})", pick.name
+        ), sig
+
+    @staticmethod
+    def _pick(members: Sequence[MemberSignal], role: str) -> MemberSignal | None:
+        """The instance of ``role`` with the least to carry over (fewest requests / least queued)."""
+        cands = [m for m in members if m.role == role and m.flippable]
+        if not cands:
+            return None
+        if role == "decode":
+            return min(cands, key=lambda m: (m.requests, m.util, m.name))
+        return min(cands, key=lambda m: (m.queue_s, m.requests, m.name))
+
+    def flipped(self, now: float) -> None:
+        self.last_flip_s = now

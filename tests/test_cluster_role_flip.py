@@ -1,0 +1,126 @@
+"""Role flips (cluster/role_flip.py through the migration controller): a whole instance moves between prefill and
+decode when one role is short; nothing moves on a balanced load; no block or request is lost."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbalance.cluster.adaptive import MigrationSection
+from kvbalance.cluster.config import ClusterConfig, InstanceGroup, build_cluster, run_cluster
+from kvbalance.cluster.role_flip import MemberSignal, RoleFlipConfig, RoleFlipPolicy
+from kvbalance.request import RequestState
+from kvbalance.sim.run import SimulateConfig
+from kvbalance.workloads.presets import build_requests
+
+
+def sig(name, role, util, queue_s=0.0, requests=1, flippable=True):
+    return MemberSignal(name, role, util, queue_s, requests, flippable)
+
+
+def test_policy_flips_the_idlest_decode_instance_when_prompts_queue():
+    p = RoleFlipPolicy(RoleFlipConfig(), ttft_slo_s=1.0)
+    members = [sig("p0", "prefill", 1.6, 2.0), sig("p1", "prefill", 1.4, 1.0),
+               sig("d0", "decode", 0.3, requests=9), sig("d1", "decode", 0.2, requests=3)]  # fmt: skip
+    d, s = p.decide(10.0, members)
+    assert (d.action, d.member) == ("to_prefill", "d1")
+    assert s.prefill_util == pytest.approx(1.5) and s.prefill_queue_s == pytest.approx(1.5)
+    p.flipped(10.0)
+    assert p.decide(10.5, members)[0].reason.startswith("cooling down")
+    assert p.decide(11.0, members)[0].action == "to_prefill"
+
+
+def test_policy_flips_a_prefill_instance_when_decode_is_short_and_prefill_keeps_up():
+    p = RoleFlipPolicy(RoleFlipConfig(), ttft_slo_s=1.0)
+    members = [sig("p0", "prefill", 0.2, 0.3), sig("p1", "prefill", 0.1, 0.0), sig("p2", "prefill", 0.2),
+               sig("d0", "decode", 0.95), sig("d1", "decode", 0.9)]  # fmt: skip
+    d, _ = p.decide(0.0, members)
+    assert (d.action, d.member) == ("to_decode", "p1")  # the least queued
+    # the prefill side would not keep up with one instance fewer: peak 0.9 -> max(0.9 x 3/2, ...) is worse
+    busy = [sig("p0", "prefill", 0.9), sig("p1", "prefill", 0.9), sig("p2", "prefill", 0.9),
+            sig("d0", "decode", 0.95), sig("d1", "decode", 0.9)]  # fmt: skip
+    d, _ = p.decide(0.0, busy)
+    assert d.action == "none" and d.reason.startswith("no flip lowers the peak enough")
+
+
+def test_policy_leaves_a_light_or_balanced_load_and_keeps_one_of_each_role():
+    p = RoleFlipPolicy(RoleFlipConfig(), ttft_slo_s=1.0)
+    light = [sig("p0", "prefill", 0.4), sig("d0", "decode", 0.5), sig("d1", "decode", 0.3)]
+    assert p.decide(0.0, light)[0].reason.startswith("both roles keep up")
+    balanced = [sig("p0", "prefill", 0.8), sig("p1", "prefill", 0.8), sig("d0", "decode", 0.8),
+                sig("d1", "decode", 0.8)]  # fmt: skip
+    d, _ = p.decide(0.0, balanced)
+    assert d.action == "none" and "balanced" in d.reason
+    last = [sig("p0", "prefill", 2.0, 3.0), sig("d0", "decode", 0.1)]
+    assert p.decide(0.0, last)[0].action == "none"  # min_per_role: the only decode instance stays
+    engaged = [
+        sig("p0", "prefill", 2.0, 3.0),
+        sig("d0", "decode", 0.1),
+        sig("d1", "decode", 0.1, flippable=False),
+    ]
+    assert p.decide(0.0, engaged)[0].action == "to_prefill"
+    assert p.decide(0.0, engaged)[0].member == "d0"  # d1 is in a move: never flipped
+    with pytest.raises(ValueError, match="min_per_role"):
+        RoleFlipConfig(min_per_role=0)
+
+
+# a small KV pool (16k tokens per instance) makes decode memory-bound at test sizes
+SIM = dict(model="llama-2-7b", gpu="a100-80gb", seed=5, ttft_slo_s=1.0, tpot_slo_s=0.1, kv_tokens=16000)
+PD = ClusterConfig(
+    instances=[InstanceGroup(role="prefill", count=2), InstanceGroup(role="decode", count=2)],
+    router="load_aware",
+    migration=MigrationSection(role_flip=True, moves=False),
+)
+
+
+def _run(workload: str, rate: float, n: int, cfg: ClusterConfig = PD):
+    sim = SimulateConfig(workload=workload, rate=rate, num_requests=n, **SIM)
+    return run_cluster(sim, cfg, build_requests(workload, n, rate, sim.seed, 4096), check_invariants=True)
+
+
+def test_prompt_heavy_load_flips_decode_instances_to_prefill_and_finishes_everything():
+    res = _run("uniform:1500-2000:4-16", 25.0, 100)
+    s = res.summary
+    assert s["completed"] == 100 and s["unfinished"] == 0
+    assert s["role_flips"] >= 1 and all(
+        f["from"] == "decode" and f["to"] == "prefill" for f in s["role_log"][:1]
+    )
+    tr = s["controller_trace"]
+    assert "to_prefill" in tr["action"] and len(tr["t_s"]) == len(tr["reason"]) == len(tr["util"])
+    assert max(n for n in tr["num_prefill"] if n is not None) >= 3
+    # nothing leaked: every pool is whole again once the run drained (the invariants held after every step)
+    for m in res.cluster.members:
+        assert m.instance.scheduler.kv_used_tokens == 0
+    assert all(r.state is RequestState.FINISHED for r in res.run.requests)
+    # and it pays: the same load on the static 2P + 2D split meets fewer SLOs
+    static = _run("uniform:1500-2000:4-16", 25.0, 100, PD.model_copy(update={"migration": None}))
+    assert s["slo_attainment"] > static.summary["slo_attainment"] + 0.1
+
+
+def test_decode_heavy_load_flips_prefill_instances_to_decode():
+    res = _run("uniform:16-64:200-300", 30.0, 120)
+    s = res.summary
+    assert s["completed"] == 120
+    assert any(f["to"] == "decode" for f in s["role_log"])
+
+
+def test_a_light_load_flips_nothing_and_same_seed_gives_the_same_run():
+    a = _run("uniform:64-256:16-64", 4.0, 60)
+    assert a.summary["role_flips"] == 0
+    assert set(a.summary["controller_trace"]["reason"]) <= {
+        r for r in a.summary["controller_trace"]["reason"] if r.startswith(("both roles keep up", "cooling"))
+    }
+    b = _run("uniform:1500-2000:4-16", 25.0, 60)
+    c = _run("uniform:1500-2000:4-16", 25.0, 60)
+    assert b.summary["role_log"] == c.summary["role_log"] and b.summary["role_flips"] > 0
+    assert [r.finish_s for r in b.run.requests] == [r.finish_s for r in c.run.requests]
+
+
+def test_set_role_refuses_the_last_of_a_role_and_colocated_members():
+    sim = SimulateConfig(workload="fixed:16:4", rate=1.0, num_requests=1, **SIM)
+    one = ClusterConfig(instances=[InstanceGroup(role="prefill"), InstanceGroup(role="decode")])
+    cluster = build_cluster(sim, one)
+    with pytest.raises(ValueError, match="last prefill"):
+        cluster.set_role(cluster.members[0], "decode")
+    colo = build_cluster(sim, ClusterConfig(instances=[InstanceGroup(count=2)]))
+    with pytest.raises(ValueError, match="only prefill <-> decode"):
+        colo.set_role(colo.members[0], "decode")
