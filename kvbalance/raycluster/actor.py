@@ -175,6 +175,11 @@ class InstanceWorker:
     def stats(self) -> dict:
         return dataclasses.asdict(self.connector.stats)
 
+    def cpu_s(self) -> float:
+        """CPU seconds this actor's process has used (all its threads): on a shared machine, what its work
+        would take uncontended, roughly."""
+        return time.process_time()
+
     # -- the step call ---------------------------------------------------------------------------
     def step(self, commands: list[tuple] = ()) -> StepReport:
         for cmd in commands:
@@ -279,7 +284,7 @@ class InstanceWorker:
         req.output_token_ids = list(output)
         req.first_token_s = self.now()
         req.token_times_s = [req.first_token_s]
-        self.connector.expect_handoff(rid, kv[0], "")
+        self.connector.expect_handoff(rid, kv[0])
         self._add(req)
 
     def _cmd_abort(self, rid: str) -> None:

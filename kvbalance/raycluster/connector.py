@@ -66,7 +66,7 @@ class ActorConnector:
         self.kv_dtype = kv_dtype
         self.instance = None  # set by the actor once the engine is built
         self.executor = None
-        self.handoffs: dict[str, tuple[object, str]] = {}  # rid -> (kv ref, dtype) expected (decode role)
+        self.handoffs: dict[str, object] = {}  # rid -> the ObjectRef of its prompt's KV (decode role)
         self.pd_requests: set[str] = set()  # prefill role: requests that hand off to a decode instance
         self._offers: dict[str, tuple[int, str]] = {}  # rid -> (stored blocks, "store"|"handoff") offered
         self.loads: dict[str, Load] = {}  # in flight
@@ -78,8 +78,9 @@ class ActorConnector:
         self.instance, self.executor = instance, executor
 
     # -- what the actor tells it ------------------------------------------------------
-    def expect_handoff(self, rid: str, ref, dtype: str) -> None:
-        self.handoffs[rid] = (ref, dtype)
+    def expect_handoff(self, rid: str, ref) -> None:
+        """A P/D hand-off is coming: ``ref`` is the prefill actor's ``ray.put`` of (blocks, dtype)."""
+        self.handoffs[rid] = ref
 
     def forget(self, rid: str) -> None:
         """A request left before admission (aborted while waiting): drop its offer and store pins."""
@@ -126,7 +127,7 @@ class ActorConnector:
         bs = self.instance.pool.block_size
         stored, kind = offer
         if kind == "handoff":
-            ref, _ = self.handoffs.pop(rid)
+            ref = self.handoffs.pop(rid)
             first = (request.num_prompt_tokens - num_external_tokens) // bs
             last = -(-request.num_prompt_tokens // bs)
             self.loads[rid] = Load(rid, ref, list(block_ids[first:last]), kind, first, num_external_tokens)
