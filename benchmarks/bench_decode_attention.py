@@ -10,15 +10,22 @@ rate at which K/V are read (bytes of K and V the step attends / CPU time), for e
 engine runs without the kernel: each sequence's blocks gathered, a few sequences at a time, then
 ``scaled_dot_product_attention``; ``--no-torch`` leaves it out) and, with ``--baseline REV``, the kernel at
 git revision REV (``kvbalance/model/native.py`` and ``kvbalance/native/``, so a revision that has the C
-files). The last column is each variant's median over the first one's.
+files). The last column is each variant's median over the first one's. ``--dtype float32`` times a float32
+cache and queries (the float32 model) instead of bf16.
+
+``--avx2``: as an AVX2-only CPU (AMD Zen 2/3) would run it: the library built without AVX-512
+(``-mno-avx512f``) with its AVX2 kernel (``avx2``) and without it (``portable-avx2``: the portable kernel
+for the same target, what would run in its place); run it with ``ATEN_CPU_CAPABILITY=avx2`` so that the
+``torch`` column is torch's AVX2 code too.
 
 Run pinned to one core: taskset -c 1 .venv/bin/python benchmarks/bench_decode_attention.py
-[--baseline main] [--repeats 7] [--steps 5]
+[--baseline main] [--repeats 7] [--steps 5] [--dtype float32] [--avx2]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib.util
 import io
 import statistics
@@ -91,7 +98,7 @@ def make_step(batch: int, context: int, cache: torch.Tensor, gen: torch.Generato
     calls = []
     for layer in range(LAYERS):
         table = torch.randperm(NUM_BLOCKS, generator=gen)[: batch * max_blocks].view(batch, max_blocks)
-        q = torch.randn(batch, KV_HEADS, GROUP, HEAD_DIM, generator=gen).bfloat16()
+        q = torch.randn(batch, KV_HEADS, GROUP, HEAD_DIM, generator=gen).to(cache.dtype)
         calls.append((q, cache[layer, 0], cache[layer, 1], table.contiguous(), ctx))
     return calls
 
@@ -105,11 +112,50 @@ def time_step(fn, calls: list[tuple], steps: int) -> float:
     return (time.process_time() - t0) / steps
 
 
-def variants(baseline, with_torch: bool) -> dict:
+def _with_library(lib, key):
+    """The kernel call through ``lib`` (one of this benchmark's own builds) in place of the engine's."""
+
+    def call(*a):
+        native._libs[key] = lib
+        return native.paged_decode_attention(*a, amx=False)
+
+    return call
+
+
+def avx2_variants(dtype: torch.dtype) -> dict:
+    """The library as an AVX2-only CPU builds it, with its AVX2 kernel and without (the portable one)."""
+    bf16 = dtype == torch.bfloat16
+    key = (GROUP, HEAD_DIM, bf16, bf16)
+    flags = (*native.build_flags(GROUP, HEAD_DIM, bf16, bf16, amx=False), "-mno-avx512f")
     out = {}
-    if native.has_amx():
+    for name, extra in (("avx2", ()), ("portable-avx2", ("-DNO_AVX2_KERNEL=1",))):
+        path = cbuild.build(f"bench_attention_{name}_{key}", native.SOURCES, (*flags, *extra), "nothing")
+        if path is None:
+            sys.exit(f"--avx2: the {name} build failed")
+        lib = ctypes.CDLL(str(path))
+        lib.paged_decode_attention.argtypes = native_library_argtypes()
+        lib.attention_avx2.restype = ctypes.c_int
+        if bool(lib.attention_avx2()) != (name == "avx2"):
+            sys.exit(f"--avx2: the {name} build has the wrong path")
+        out[name] = _with_library(lib, key)
+    return out
+
+
+def native_library_argtypes() -> list:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    return [ptr] * 6 + [i64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+
+
+def variants(baseline, with_torch: bool, dtype: torch.dtype, avx2: bool) -> dict:
+    out = {}
+    if native.has_amx() and dtype == torch.bfloat16:
         out["amx"] = lambda *a: native.paged_decode_attention(*a, amx=True)
-    out["widen"] = lambda *a: native.paged_decode_attention(*a, amx=False)
+    if avx2:
+        out.update(avx2_variants(dtype))
+    else:
+        bf16 = dtype == torch.bfloat16
+        key = (GROUP, HEAD_DIM, bf16, bf16)
+        out["widen"] = _with_library(native.native_library(GROUP, HEAD_DIM, dtype, dtype), key)
     if baseline is not None:
         out["baseline"] = baseline.paged_decode_attention
     if with_torch:
@@ -124,17 +170,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps per repeat")
     ap.add_argument("--small-pages", action="store_true", help="4 KiB pages (the engine uses huge pages)")
     ap.add_argument("--no-torch", action="store_true", help="leave out the engine's path without the kernel")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="cache and queries")
+    ap.add_argument("--avx2", action="store_true", help="the kernels an AVX2-only CPU runs (see above)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     shape = (LAYERS, 2, KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM)
-    cache = hugepages.zeros(shape, torch.bfloat16)  # ~1.5 GB, the engine's layout and pages
+    dtype = getattr(torch, args.dtype)
+    cache = hugepages.zeros(shape, dtype)  # ~1.5 GB (bf16), the engine's layout and pages
     if args.small_pages:
-        cache = torch.zeros(shape, dtype=torch.bfloat16)
+        cache = torch.zeros(shape, dtype=dtype)
     cache.copy_(torch.randn(shape, generator=gen) * 0.5)
-    fns = variants(load_baseline(args.baseline) if args.baseline else None, not args.no_torch)
+    fns = variants(
+        load_baseline(args.baseline) if args.baseline else None, not args.no_torch, dtype, args.avx2
+    )
     print(
-        f"layers {LAYERS}, kv_heads {KV_HEADS}, group {GROUP}, head_dim {HEAD_DIM}, bf16 KV and q, "
+        f"layers {LAYERS}, kv_heads {KV_HEADS}, group {GROUP}, head_dim {HEAD_DIM}, {args.dtype} KV and q, "
         f"{NUM_BLOCKS} blocks of {BLOCK_SIZE} per layer; CPU ms per step, best / median of {args.repeats}"
     )
     first = next(iter(fns))
@@ -149,7 +200,7 @@ def main() -> None:
             ref = out if ref is None else ref
             if not torch.allclose(out, ref, atol=2e-2, rtol=2e-2):
                 sys.exit(f"{name}: output differs from {next(iter(fns))}'s")
-        mb = LAYERS * batch * context * KV_HEADS * HEAD_DIM * 2 * 2 / 1e6
+        mb = LAYERS * batch * context * KV_HEADS * HEAD_DIM * 2 * cache.element_size() / 1e6
         times = {n: [] for n in fns}
         for _ in range(args.repeats):  # interleaved, so drift from other load hits every variant alike
             for name, fn in fns.items():

@@ -9,6 +9,10 @@ the plain weight (``F.linear``, for reference) and the AMX kernel (on the plain 
 alternate run by run (the machine is shared: each sees the same load); each figure is the best of
 ``--reps``.
 
+``avx2``: the same shapes in float32, MKL's packed GEMM (what packed.py runs for float32 where the AVX2
+kernel is not preferred) against the AVX2 kernel of kvbalance/model/avx2_gemm.py (on its packed panels).
+For the figure an AVX2-only CPU would give, run it with MKL held to AVX2 (``MKL_ENABLE_INSTRUCTIONS=AVX2``).
+
 ``engine``: the real engine's decode step (``--batch`` sequences at context ``--context``), steps
 alternating in one process between oneDNN (``packed.AMX_MAX_ROWS`` = 0) and the AMX kernel (its
 value, or ``--amx-rows``): CPU ms per step and of it the layers' linears and the LM head
@@ -17,6 +21,7 @@ value, or ``--amx-rows``): CPU ms per step and of it the layers' linears and the
     taskset -c 1 .venv/bin/python benchmarks/bench_gemm.py layers --reps 7
     taskset -c 1 .venv/bin/python benchmarks/bench_gemm.py layers --rows 32 40 48 56 64 80 96 128
     taskset -c 1 .venv/bin/python benchmarks/bench_gemm.py engine --batch 64 --context 300
+    MKL_ENABLE_INSTRUCTIONS=AVX2 taskset -c 1 .venv/bin/python benchmarks/bench_gemm.py avx2 --reps 7
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvbalance.model import amx_gemm, avx512_gemm
+from kvbalance.model import amx_gemm, avx2_gemm, avx512_gemm
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # (N, K) of one layer's linears
 LAYERS = 30
@@ -96,6 +101,35 @@ def bench_shapes(shapes: tuple[tuple[int, int], ...], layers: int, rows: tuple[i
         print(f"M={m:4d}: " + " | ".join(cells) + ratio, flush=True)
 
 
+def bench_shapes_f32(
+    shapes: tuple[tuple[int, int], ...], layers: int, rows: tuple[int, ...], reps: int
+) -> None:
+    """float32: MKL's packed GEMM against the AVX2 kernel, alternating, best of ``reps`` (CPU time)."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [[torch.randn(n, k, generator=gen).mul_(0.02) for n, k in shapes] for _ in range(layers)]
+    mkl = [[(torch.ops.mkl._mkl_reorder_linear_weight(w, 64), w) for w in ws] for ws in weights]
+    panels = [[(avx2_gemm.pack(w), w.shape[0]) for w in ws] for ws in weights]
+    weight_bytes = sum(n * k * 4 for n, k in shapes) * layers
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=gen) for _, k in shapes}
+        runs = {
+            "MKL": lambda xs=xs, m=m: [
+                torch.ops.mkl._mkl_linear(xs[k], p, w, None, m)
+                for row in mkl
+                for (_, k), (p, w) in zip(shapes, row)
+            ],
+            "AVX2": lambda xs=xs: [
+                avx2_gemm.linear(xs[k], p, n) for row in panels for (_, k), (p, n) in zip(shapes, row)
+            ],
+        }
+        best = _best_alternating(runs, reps)
+        cells = []
+        for name, t in best.items():
+            gflops = 2 * m * weight_bytes / 4 / t / 1e9
+            cells.append(f"{name} {1e3 * t:7.2f} ms {weight_bytes / t / 1e9:5.1f} GB/s {gflops:5.0f} GFLOP/s")
+        print(f"M={m:4d}: " + " | ".join(cells) + f"  AVX2/MKL {best['MKL'] / best['AVX2']:.2f}x", flush=True)
+
+
 def bench_engine(batch: int, context: int, steps: int, amx_rows: int | None) -> None:
     from decoding import decoding_engine
 
@@ -140,7 +174,7 @@ def bench_engine(batch: int, context: int, steps: int, amx_rows: int | None) -> 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=("layers", "engine"))
+    p.add_argument("what", choices=("layers", "avx2", "engine"))
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
     p.add_argument("--batch", type=int, default=64)
@@ -152,6 +186,14 @@ def main() -> None:
     print(f"AMX kernel available: {amx_gemm.available()}; AVX-512 BF16 kernel: {avx512_gemm.available()}")
     if args.what == "engine":
         bench_engine(args.batch, args.context, args.steps, args.amx_rows)
+        return
+    if args.what == "avx2":
+        if not avx2_gemm.available():
+            raise SystemExit("avx2: the AVX2 kernel does not run here (no AVX2 + FMA, or no compiler)")
+        print(f"-- float32, {LAYERS} layers of SmolLM2-135M linears (cold weights), per decode step")
+        bench_shapes_f32(LAYER_SHAPES, LAYERS, tuple(args.rows), args.reps)
+        print(f"-- tied LM head {HEAD_SHAPE[0]}x{HEAD_SHAPE[1]}")
+        bench_shapes_f32((HEAD_SHAPE,), 1, tuple(args.rows), args.reps)
         return
     print(f"-- {LAYERS} layers of SmolLM2-135M linears (cold weights), per decode step")
     bench_shapes(LAYER_SHAPES, LAYERS, tuple(args.rows), args.reps)

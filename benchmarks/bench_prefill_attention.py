@@ -1,13 +1,14 @@
-"""Prefill attention alone, one thread, at SmolLM2-135M's shape: the AMX paged kernel vs SDPA as the engine
-called it before the kernel (and still does where the kernel cannot run).
+"""Prefill attention alone, one thread, at SmolLM2-135M's shape: the paged kernel this CPU runs (AMX, or
+AVX512-BF16 without AMX) vs SDPA as the engine called it before the kernel (and still does where the kernel
+cannot run).
 
 Cases: a whole prompt of 256 / 1,024 / 2,048 tokens (``q_start = 0``; SDPA ``is_causal=True`` on the
 chunk's own K/V, the strided views out of the fused QKV output) and later chunks of 512 / 1,024
 tokens after 1,024 cached ones (SDPA over the context gathered from the paged cache, with the float
 bottom-right mask; the gather is timed too, as the engine pays it). 9 query heads, 3 KV heads, head
-dim 64, bf16, blocks of 64 drawn at random from a 64k-token cache. Prints CPU ms per call (best of the
-repeats: other engineers share the cores) and GFLOP/s counting causal FLOPs (4 * head_dim per
-attended score per head: 2 L^2 D per head for a whole prompt).
+dim 64, bf16, blocks of 64 drawn at random from a 64k-token cache. The two alternate call by call (the
+machine is shared: each sees the same load). Prints CPU ms per call (best of the repeats) and GFLOP/s
+counting causal FLOPs (4 * head_dim per attended score per head: 2 L^2 D per head for a whole prompt).
 
 ``--engine`` also runs ``/tmp/prof4.py``'s measurement: CPU ms per 2,048-token prefill step of the
 real SmolLM2 (prompts of ``--prompt`` tokens), with the kernel and with ``KVBALANCE_NATIVE_AMX=0``.
@@ -69,14 +70,17 @@ def _sdpa(q, k, v, kc, vc, table, bias, q_start):
     return out[0].transpose(0, 1).reshape(n, HEADS * HEAD_DIM)
 
 
-def _best_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
+def _best_ms_alternating(fns: list, repeats: int) -> list[float]:
+    """Best CPU ms of each of ``fns`` over ``repeats`` rounds, the functions alternating within a round."""
+    for fn in fns:
+        fn()  # warm-up
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t = time.process_time()
-        fn()
-        best = min(best, time.process_time() - t)
-    return 1e3 * best
+        for i, fn in enumerate(fns):
+            t = time.process_time()
+            fn()
+            best[i] = min(best[i], time.process_time() - t)
+    return [1e3 * b for b in best]
 
 
 def kernel_table(repeats: int) -> None:
@@ -87,9 +91,10 @@ def kernel_table(repeats: int) -> None:
     for q_start, n in CASES:
         q, k, v, kc, vc, table, bias = _setup(q_start, n, gen)
         flops = HEADS * 4 * HEAD_DIM * (n * q_start + n * (n + 1) / 2)
-        t_sdpa = _best_ms(functools.partial(_sdpa, q, k, v, kc, vc, table, bias, q_start), repeats)
+        sdpa = functools.partial(_sdpa, q, k, v, kc, vc, table, bias, q_start)
         kernel = functools.partial(native_prefill.paged_prefill_attention, q, kc, vc, table, q_start, SCALE)
-        t_kern = _best_ms(kernel, repeats)
+        torch.testing.assert_close(kernel().float(), sdpa().float(), atol=3e-2, rtol=2**-6)
+        t_sdpa, t_kern = _best_ms_alternating([sdpa, kernel], repeats)
         g_sdpa, g_kern = flops / t_sdpa / 1e6, flops / t_kern / 1e6
         print(
             f"{q_start:>7} {n:>5} | {t_sdpa:>8.2f} {g_sdpa:>8.0f} | {t_kern:>9.2f} {g_kern:>8.0f} |"
@@ -131,7 +136,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     if not native_prefill.available():
-        raise SystemExit("the AMX prefill kernel does not run here (no AMX, no compiler or disabled)")
+        raise SystemExit("no prefill kernel runs here (no AMX or AVX512-BF16, no compiler, or disabled)")
+    print("kernel:", "AMX" if native_prefill.library().amx else "AVX512-BF16")
     kernel_table(args.repeats)
     if args.engine:
         for amx in ("1", "0"):

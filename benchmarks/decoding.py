@@ -9,10 +9,12 @@ from kvbalance.llm import LLMEngine
 from kvbalance.request import SamplingParams
 
 
-def decoding_engine(batch: int, context: int, max_tokens: int, seed: int = 0) -> LLMEngine:
+def decoding_engine(
+    batch: int, context: int, max_tokens: int, seed: int = 0, dtype: str = "auto"
+) -> LLMEngine:
     """SmolLM2-135M on one thread with ``batch`` requests of ``context`` tokens (``max_tokens`` each,
     EOS ignored), stepped until every request has its first output token: each further step decodes."""
-    eng = LLMEngine("smollm2-135m", num_threads=1)
+    eng = LLMEngine("smollm2-135m", num_threads=1, dtype=dtype)
     rng = random.Random(seed)
     for _ in range(batch):
         prompt = [rng.randrange(1000, 40000) for _ in range(context)]

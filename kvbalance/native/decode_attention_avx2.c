@@ -22,7 +22,9 @@
      prefetches the next unit's first. */
 #include "decode_attention.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* -DNO_AVX2_KERNEL=1 leaves it out (benchmarks/bench_decode_attention.py --avx2 times it against the
+   portable kernel compiled for the same target) */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !NO_AVX2_KERNEL
 int attention_avx2(void) { return 1; }
 #include <immintrin.h>
 #include <immintrin.h>
