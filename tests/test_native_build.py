@@ -42,6 +42,8 @@ def _variants() -> list[tuple[str, tuple[str, ...], tuple[str, ...], str]]:
     out = []
     for target in ("portable", "avx2", "avx512f", "amx"):
         for kind, (kv, io) in _DECODE_DTYPES.items():
+            if kind == "bf16kv" and target in ("avx2", "amx"):  # the same code as f32 / bf16 at those levels
+                continue
             flags = native.build_flags(3, 64, kv, io, amx=target == "amx")
             out.append((f"decode_attention-{kind}-{target}", native.SOURCES, flags, target))
     # the AMX path's other tile layouts (head dims of 1 and 4 tiles), a bf16 cache of odd 16-float vectors
