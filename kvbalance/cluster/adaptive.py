@@ -75,14 +75,29 @@ class MigrationSection(BaseModel):
     helper_kv_lend_fraction: float = Field(0.5, ge=0, le=1)
     # role flips of whole instances between prefill and decode (cluster/role_flip.py); off by default: the
     # layer- and attention-level moves alone are BanaServe's algorithm as published
-    role_flip: bool = False
-    moves: bool = True  # layer- and attention-level moves (False: role flips only)
-    flip_start_util: float = Field(_FLIP.start_util, ge=0)
-    flip_min_gain: float = Field(_FLIP.min_gain, ge=0)
-    flip_cooldown_s: float = Field(_FLIP.cooldown_s, ge=0)
-    # the SLOs the flip signals are measured against (None: the simulate config's, else 1 s / 0.1 s)
-    ttft_slo_s: float | None = Field(None, gt=0)
-    tpot_slo_s: float | None = Field(None, gt=0)
+    role_flip: bool = Field(
+        False, description="flip whole instances between prefill and decode (role_flip.py)"
+    )
+    moves: bool = Field(True, description="layer- and attention-level moves (False: role flips only)")
+    flip_start_util: float = Field(
+        _FLIP.start_util, ge=0, description="role flips: the peak role load below which nothing flips"
+    )
+    flip_min_gain: float = Field(
+        _FLIP.min_gain, ge=0, description="role flips: least drop of the peak a flip must give"
+    )
+    flip_cooldown_s: float = Field(
+        _FLIP.cooldown_s, ge=0, description="role flips: seconds between two flips"
+    )
+    ttft_slo_s: float | None = Field(
+        None,
+        gt=0,
+        description="TTFT the flip signals are measured against (default: the simulate config's, else 1 s)",
+    )
+    tpot_slo_s: float | None = Field(
+        None,
+        gt=0,
+        description="TPOT the flip signals are measured against (default: the simulate config's, else 0.1 s)",
+    )
 
     @model_validator(mode="after")
     def _valid(self) -> MigrationSection:

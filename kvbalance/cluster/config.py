@@ -83,6 +83,31 @@ class ClusterConfig(BaseModel):
     llumnix: LlumnixSection | None = Field(
         None, description="Llumnix's live request migration (off when absent)"
     )
+    policy: str | None = Field(
+        None,
+        description="every instance's scheduling policy, overriding the simulate config's (e.g. vllm: no chunked prefill)",
+    )
+    engine: str | None = Field(
+        None, description="every instance's engine profile, overriding the simulate config's (e.g. vllm-v0)"
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str | None) -> str | None:
+        if v is not None:
+            from kvbalance.scheduler import POLICIES
+
+            POLICIES.get(v)
+        return v
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str | None) -> str | None:
+        if v is not None:
+            from kvbalance.perf.engines import get_engine
+
+            get_engine(v)
+        return v
 
     @field_validator("router", "decode_router")
     @classmethod
@@ -115,8 +140,32 @@ class ClusterConfig(BaseModel):
             f"{g.count}x{g.role[0].upper()}" + (f"(tp{g.tp})" if g.tp > 1 else "") for g in self.instances
         )
 
+    def summary_line(self) -> str:
+        """Everything that tells two systems apart, in one line (the results' ``config`` column)."""
+        parts = [self.describe(), f"router={self.router}"]
+        if self.router_options:
+            parts.append(
+                "router_options=" + ",".join(f"{k}={v}" for k, v in sorted(self.router_options.items()))
+            )
+        if self.store is not None:
+            parts.append(f"store={self.store.capacity_gb:g}GB/{self.store.link}")
+        if self.migration is not None:
+            m = self.migration
+            kinds = [k for k, on in (("layer+attention", m.moves), ("role flips", m.role_flip)) if on]
+            parts.append("migration=" + "+".join(kinds or ["none"]))
+        if self.llumnix is not None:
+            parts.append("llumnix live migration")
+        if self.policy is not None:
+            parts.append(f"policy={self.policy}")
+        if self.engine is not None:
+            parts.append(f"engine={self.engine}")
+        return " ".join(parts)
+
 
 def build_cluster(sim: SimulateConfig, cfg: ClusterConfig, *, check_invariants: bool = False) -> Cluster:
+    over = {k: v for k, v in (("policy", cfg.policy), ("engine", cfg.engine)) if v is not None}
+    if over:
+        sim = sim.model_copy(update=over)
     members = []
     gpu = 0
     for group in cfg.instances:

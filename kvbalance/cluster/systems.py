@@ -1,17 +1,26 @@
 """Serving systems as cluster configs for one GPU budget, and the SLO-rate search that sizes them.
 
-* ``vllm``: colocated data-parallel instances with prefix caching, one per GPU (TP 1), behind a router; it
-  is reported under the best of its routers for the workload (``VLLM_ROUTERS``), never a weak one.
-* ``distserve``: a static prefill/decode split chosen as DistServe does — enumerate the splits and each
+* ``vllm``: today's vLLM: colocated data-parallel instances with prefix caching and chunked prefill (the
+  ``sarathi`` policy, vLLM v1's default), one per GPU (TP 1), behind a router; reported under the best of its
+  routers for the workload (``VLLM_ROUTERS``), never a weak one; ``vllm-round-robin`` and
+  ``vllm-cache-aware`` name the router.
+* ``vllm-v0``: vLLM as BanaServe's paper ran it (2024): no chunked prefill (the ``vllm`` policy: whole
+  prompts first, prefill-first), the ``vllm-v0`` engine profile (host work serial with the GPU), best router;
+  ``vllm-v0-round-robin`` and ``vllm-v0-cache-aware`` name the router.
+* ``distserve``: a static prefill/decode split chosen as DistServe does: enumerate the splits and each
   phase's parallelism for the GPU budget and keep the one with the highest rate at which 90% of requests
   meet both the TTFT and the TPOT SLO (``max_rate_at_slo``).
-* ``banaserve``: DistServe's split plus the global KV store, load-aware routing and adaptive layer- /
-  attention-level migration (``cluster/adaptive.py``, default thresholds); ``banaserve-no-migration`` is
-  the same without migration.
-* ablations: ``banaserve-no-store`` (split + load-aware routing, local prefix caches only) and
-  ``banaserve-cache-aware`` (split + store + sgl-router's cache-aware routing).
+* ``banaserve``: DistServe's split plus the global KV store, load-aware routing and the adaptive migration
+  with this project's role flips (``cluster/role_flip.py``: whole instances between prefill and decode as
+  the mix shifts) on top of the layer- and attention-level moves; ``banaserve-paper`` is the algorithm as
+  published (layer- and attention-level moves only, ``cluster/adaptive.py`` defaults);
+  ``banaserve-no-migration`` the same without migration.
+* ablations: ``banaserve-no-store`` (split + load-aware routing + migration, local prefix caches only) and
+  ``banaserve-cache-aware`` (split + store + sgl-router's cache-aware routing, no migration).
 * ``llumnix``: ``vllm``'s colocated instances (one per GPU) dispatched to the freest instance, with Llumnix's
   request-level live migration between them (``cluster/llumnix.py``, its default thresholds).
+* ``kvbalance``: this project's policy: colocated instances (chunked prefill) sharing the global KV store,
+  routed by ``store_aware`` (least work, plus what fetching a prefix that is not local costs).
 """
 
 from __future__ import annotations
@@ -25,29 +34,46 @@ from kvbalance.cluster.llumnix import LlumnixSection
 
 SYSTEMS = (
     "vllm",
+    "vllm-round-robin",
+    "vllm-cache-aware",
+    "vllm-v0",
+    "vllm-v0-round-robin",
+    "vllm-v0-cache-aware",
     "distserve",
+    "llumnix",
     "banaserve",
+    "banaserve-paper",
     "banaserve-no-migration",
     "banaserve-no-store",
     "banaserve-cache-aware",
-    "llumnix",
+    "kvbalance",
 )
 NOT_YET: dict[str, str] = {}
 VLLM_ROUTERS = ("round_robin", "least_loaded", "cache_aware", "kv_aware")
+VLLM_V0 = {"policy": "vllm", "engine": "vllm-v0"}  # no chunked prefill, host work serial with the GPU
+# systems that are vLLM under a named router (the others of the family take the best router found)
+NAMED_ROUTER = {"vllm-round-robin": "round_robin", "vllm-cache-aware": "cache_aware",
+                "vllm-v0-round-robin": "round_robin", "vllm-v0-cache-aware": "cache_aware"}  # fmt: skip
 
 
-def vllm_config(num_gpus: int, router: str = "least_loaded", tp: int = 1) -> ClusterConfig:
+def vllm_config(
+    num_gpus: int, router: str = "least_loaded", tp: int = 1, *, v0: bool = False
+) -> ClusterConfig:
     if num_gpus % tp:
         raise ValueError(f"tp: {tp} does not divide the GPU budget {num_gpus}")
     return ClusterConfig(
-        instances=[InstanceGroup(role="colocated", count=num_gpus // tp, tp=tp)], router=router
+        instances=[InstanceGroup(role="colocated", count=num_gpus // tp, tp=tp)],
+        router=router,
+        **(VLLM_V0 if v0 else {}),
     )
 
 
 def pd_config(
     num_prefill: int, num_decode: int, tp_prefill: int = 1, tp_decode: int = 1, *, router: str = "least_loaded",
-    store: bool = False, layerwise_transfer: bool = True, migration: bool = False,
+    store: bool = False, layerwise_transfer: bool = True, migration: bool | MigrationSection = False,
 ) -> ClusterConfig:  # fmt: skip
+    if migration is True:
+        migration = MigrationSection()
     return ClusterConfig(
         instances=[
             InstanceGroup(role="prefill", count=num_prefill, tp=tp_prefill),
@@ -56,7 +82,7 @@ def pd_config(
         router=router,
         store=StoreSection() if store else None,
         layerwise_transfer=layerwise_transfer,
-        migration=MigrationSection() if migration else None,
+        migration=migration or None,
     )
 
 
@@ -70,26 +96,42 @@ def distserve_splits(num_gpus: int, tps: tuple[int, ...] = (1, 2)) -> Iterator[t
                     yield p, rest // tp_d, tp_p, tp_d
 
 
+BANASERVE_MIGRATION = MigrationSection(role_flip=True)  # BanaServe's moves + this project's role flips
+
+
 def system_config(
     system: str, num_gpus: int, split: tuple[int, int, int, int], router: str | None = None
 ) -> ClusterConfig:
-    """The cluster config of ``system`` on ``num_gpus`` GPUs (``split``: DistServe's chosen split)."""
+    """The cluster config of ``system`` on ``num_gpus`` GPUs (``split``: DistServe's chosen split; ``router``:
+    the router a ``vllm``/``vllm-v0`` system runs, its best one for the workload)."""
     if system in NOT_YET:
         raise ValueError(f"system: {system!r} cannot run yet: {NOT_YET[system]}")
     p, d, tp_p, tp_d = split
-    if system == "vllm":
-        return vllm_config(num_gpus, router or "least_loaded")
+    if system in ("vllm", "vllm-v0"):
+        return vllm_config(num_gpus, router or "least_loaded", v0=system == "vllm-v0")
+    if system in NAMED_ROUTER:
+        return vllm_config(num_gpus, NAMED_ROUTER[system], v0=system.startswith("vllm-v0"))
     if system == "distserve":
         return pd_config(p, d, tp_p, tp_d, router=router or "least_loaded")
-    if system in ("banaserve", "banaserve-no-migration"):
-        return pd_config(p, d, tp_p, tp_d, router="load_aware", store=True, migration=system == "banaserve")
+    if system == "banaserve":
+        return pd_config(p, d, tp_p, tp_d, router="load_aware", store=True, migration=BANASERVE_MIGRATION)
+    if system in ("banaserve-paper", "banaserve-no-migration"):
+        return pd_config(
+            p, d, tp_p, tp_d, router="load_aware", store=True, migration=system == "banaserve-paper"
+        )
     if system == "banaserve-no-store":
-        return pd_config(p, d, tp_p, tp_d, router="load_aware")
+        return pd_config(p, d, tp_p, tp_d, router="load_aware", migration=BANASERVE_MIGRATION)
     if system == "banaserve-cache-aware":
         return pd_config(p, d, tp_p, tp_d, router="cache_aware", store=True)
     if system == "llumnix":
         cfg = vllm_config(num_gpus, router or "llumnix")
         return cfg.model_copy(update={"llumnix": LlumnixSection()})
+    if system == "kvbalance":
+        return ClusterConfig(
+            instances=[InstanceGroup(role="colocated", count=num_gpus)],
+            router="store_aware",
+            store=StoreSection(),
+        )
     raise ValueError(f"system: unknown {system!r} (known: {', '.join(SYSTEMS)})")
 
 
