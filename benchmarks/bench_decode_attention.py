@@ -13,6 +13,9 @@ git revision REV (``kvbalance/model/native.py`` and ``kvbalance/native/``, so a 
 files). The last column is each variant's median over the first one's. ``--dtype float32`` times a float32
 cache and queries (the float32 model) instead of bf16.
 
+``--write-kv``: the kernel that writes a step's new K/V into the cache (``write_kv``, the same library)
+against the two ``index_copy_`` calls the engine runs without it.
+
 ``--avx2``: as an AVX2-only CPU (AMD Zen 2/3) would run it: the library built without AVX-512
 (``-mno-avx512f``) with its AVX2 kernel (``avx2``) and without it (``portable-avx2``: the portable kernel
 for the same target, what would run in its place); run it with ``ATEN_CPU_CAPABILITY=avx2`` so that the
@@ -163,6 +166,35 @@ def variants(baseline, with_torch: bool, dtype: torch.dtype, avx2: bool) -> dict
     return out
 
 
+def bench_write_kv(dtype: torch.dtype, reps: int, calls: int = 20) -> None:
+    """The step's new K/V into their cache slots: native.write_kv against the two ``index_copy_`` calls the
+    engine runs without it (``Attention.forward``), from strided views of a fused QKV output."""
+    gen = torch.Generator().manual_seed(0)
+    kc, vc = (torch.zeros(KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM, dtype=dtype) for _ in range(2))
+    print(f"write_kv, {str(dtype)[6:]} cache; CPU us per call, best of {reps} rounds of {calls}, alternating")
+    for tokens in (64, 2048):
+        qkv = torch.randn(tokens, (GROUP + 2) * KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        k, v = qkv[:, GROUP * KV_HEADS : (GROUP + 1) * KV_HEADS], qkv[:, (GROUP + 1) * KV_HEADS :]
+        slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:tokens]
+
+        def torch_path(k=k, v=v, slots=slots):
+            kc.view(KV_HEADS, -1, HEAD_DIM).index_copy_(1, slots, k.transpose(0, 1))
+            vc.view(KV_HEADS, -1, HEAD_DIM).index_copy_(1, slots, v.transpose(0, 1))
+
+        fns = {"native": lambda k=k, v=v, s=slots: native.write_kv(k, v, kc, vc, s), "torch": torch_path}
+        best = dict.fromkeys(fns, float("inf"))
+        for _ in range(reps):
+            for name, fn in fns.items():
+                t0 = time.process_time()
+                for _ in range(calls):
+                    fn()
+                best[name] = min(best[name], (time.process_time() - t0) / calls)
+        print(
+            f"  {tokens:5d} tokens: native {1e6 * best['native']:8.1f} us, torch {1e6 * best['torch']:8.1f} us,"
+            f" torch/native {best['torch'] / best['native']:.2f}x"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", default=None, help="git revision whose kernel to time too (e.g. main)")
@@ -172,8 +204,12 @@ def main() -> None:
     ap.add_argument("--no-torch", action="store_true", help="leave out the engine's path without the kernel")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="cache and queries")
     ap.add_argument("--avx2", action="store_true", help="the kernels an AVX2-only CPU runs (see above)")
+    ap.add_argument("--write-kv", action="store_true", help="time write_kv against index_copy_ instead")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.write_kv:
+        bench_write_kv(getattr(torch, args.dtype), args.repeats)
+        return
     gen = torch.Generator().manual_seed(0)
     shape = (LAYERS, 2, KV_HEADS, NUM_BLOCKS, BLOCK_SIZE, HEAD_DIM)
     dtype = getattr(torch, args.dtype)
