@@ -200,7 +200,7 @@ def write_readme(out: Path, results: dict, args) -> None:
         "",
         f"`{results['command']}`",
         "",
-        f"SmolLM2-135M, {args.num_requests} `{args.workload}` requests at rate {args.rate} (seed {args.seed}, "
+        f"SmolLM2-135M ({args.dtype}), {args.num_requests} `{args.workload}` requests at rate {args.rate} (seed {args.seed}, "
         f"max context {args.max_context}), router `{args.router}`, one core per instance; preset "
         f"`{results['preset']}`. Each cell: measured / simulated (ratio measured over simulated).",
         "",
@@ -239,6 +239,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--kv-tokens", type=int, default=32_768)
     p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument(
+        "--dtype", default="float32", help="the instances' (float32: what `kvbalance profile` fits)"
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument(
@@ -255,7 +258,7 @@ def main(argv=None) -> int:
         if s not in SETUPS:
             raise SystemExit(f"setups: unknown {s!r} (known: {', '.join(SETUPS)})")
     engine = {"model": args.model, "kv_tokens": args.kv_tokens, "block_size": 64, "chunk_size": args.chunk_size,
-              "max_num_seqs": args.max_num_seqs, "threads": 1}  # fmt: skip
+              "max_num_seqs": args.max_num_seqs, "threads": 1, "dtype": args.dtype}  # fmt: skip
     preset = args.preset or fit_preset(args.model, out)
     from kvbalance.raycluster.launch import start_ray
 
