@@ -40,6 +40,8 @@ def test_cluster_file_reuses_the_simulators_schema_and_adds_cores():
         ({"cluster": {"instances": [{"tp": 2}]}}, "tp"),
         ({"cluster": {"instances": [{"role": "prefill"}]}}, "prefill instances need decode"),
         ({"cluster": {"migration": {}}}, "migration"),
+        ({"cluster": {"layerwise_transfer": True}}, "layerwise_transfer"),
+        ({"cluster": {"engine": "vllm-v1"}}, "engine: a simulated"),
         ({"cluster": {"instances": [{"role": "prefill"}, {"role": "decode"}]}, "dtype": "int4"}, "dtype"),
         ({"cluster": {}, "kv_token": 5}, "kv_token"),
         ({"router": "x"}, "cluster: the file has no cluster: section"),

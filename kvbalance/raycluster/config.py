@@ -5,7 +5,9 @@ router and its options, decode router, ``store:``, ``llumnix:``) with each group
 per instance, e.g. ``["0", "1"]``: the instance's actor declares that many CPUs to Ray and its engine binds to
 them) and ``num_gpus`` per instance. What a real cluster cannot do is refused naming the field: ``tp`` > 1
 (one engine per actor here), BanaServe's layer / attention ``migration:`` across processes (see
-``docs/cluster_real.md``: one Ray round trip per layer per step). The top-level keys beside ``cluster:``
+``docs/cluster_real.md``: one Ray round trip per layer per step), ``layerwise_transfer`` (the real hand-off
+is one object after the prefill's last step) and a simulated ``engine`` profile; ``policy`` (the
+scheduling policy) goes to every instance's engine. The top-level keys beside ``cluster:``
 are the engine's (``EngineArgs``: model, KV tokens, chunk size, ...), the same for every instance.
 """
 
@@ -50,9 +52,19 @@ class ServeInstanceGroup(InstanceGroup):
 
 class ServeClusterConfig(ClusterConfig):
     instances: list[ServeInstanceGroup] = Field(default_factory=lambda: [ServeInstanceGroup()])
+    layerwise_transfer: bool = False  # the real hand-off moves the KV after the prefill's last step
 
     @model_validator(mode="after")
     def _serveable(self) -> ServeClusterConfig:
+        if self.layerwise_transfer:
+            raise ValueError(
+                "layerwise_transfer: the real cluster hands a prompt's KV over after the prefill's last step "
+                "(one object per request; docs/cluster_real.md), not layer by layer"
+            )
+        if self.engine is not None:
+            raise ValueError(
+                "engine: a simulated engine's host-time profile; a real cluster runs its own engine"
+            )
         if self.migration is not None:
             raise ValueError(
                 "migration: BanaServe's layer- and attention-level migration moves part of every step to "

@@ -118,8 +118,11 @@ def launch(
                 cfg.store.to_store_config(), nbytes
             )
         actors = []
+        kwargs = engine.engine_kwargs()
+        if cfg.policy is not None:
+            kwargs["policy"] = cfg.policy
         for name, role, cores, gpus in plan:
-            spec = InstanceSpec(name, role, engine.model, engine.engine_kwargs(), cores, engine.threads)
+            spec = InstanceSpec(name, role, engine.model, kwargs, cores, engine.threads)
             cls = ray.remote(num_cpus=cpus_of(cores), num_gpus=gpus, max_restarts=0)(InstanceWorker)
             actors.append((spec, cls.remote(spec, store)))
         try:
