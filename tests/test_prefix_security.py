@@ -185,3 +185,30 @@ def test_smollm2_system_prompt_poisoning_is_refused():
     assert victim_answer(True) == own
     assert victim_answer(True, prefix_caching_hash_algo="poly64") == own
     assert victim_answer(False, prefix_caching_hash_algo="poly64") != own
+
+
+@pytest.mark.parametrize("algo", ["sha256", "poly64"])
+def test_the_global_kv_store_names_blocks_with_the_instances_hash(algo):
+    """The store and the instances' caches key on one setting: SHA-256 by default (what a real store holds)."""
+    from kvbalance.cluster.core import Cluster, sim_member
+    from kvbalance.cluster.topology import Topology
+    from kvbalance.kvcache.store import GlobalKVStore, StoreConfig
+    from kvbalance.request import Request, SamplingParams
+    from kvbalance.sim.config import SimulateConfig
+    from kvbalance.specs import get_model
+
+    cfg = SimulateConfig(model="llama-2-7b", gpu="a100-80gb", kv_tokens=20_000, prefix_caching_hash_algo=algo)
+    members = [sim_member(i, "colocated", (i,), cfg) for i in range(2)]
+    assert all(m.instance.kv.hasher.algo == algo for m in members)
+    store = GlobalKVStore(StoreConfig(), bytes_per_block=BS * get_model("llama-2-7b").kv_bytes_per_token)
+    prompt = list(range(1, 20 * BS + 1)) + [5, 6, 7]
+    reqs = [
+        Request(f"r{i}", prompt, SamplingParams(max_tokens=2, ignore_eos=True), arrival_s=i) for i in range(2)
+    ]
+    cluster = Cluster(members, Topology.build("a100-80gb", 2), router="round_robin", store=store)
+    cluster.run(reqs)
+    assert (
+        cluster.store.fetched_blocks == 20
+    )  # the second instance fetched the first's prefix, by these names:
+    assert set(store._lru) == set(BlockHasher(algo).prefix_block_hashes(prompt, BS))
+    assert (max(store._lru) >= 1 << 64) == (algo == "sha256")

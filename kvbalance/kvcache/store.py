@@ -1,7 +1,8 @@
 """GlobalKVStore: a shared host-memory tier of full prefix blocks, and the layer-wise fetch pipeline timing.
 
 Any prefill instance saves full prefix blocks (named by their chained block hash, so a hash stands for its
-whole prefix) into one store; any prefill instance finds the longest stored prefix of a new prompt and
+whole prefix: the instances' ``kvcache.hashing.BlockHasher``, SHA-256 by default, so a client cannot make two
+prompts share a stored block) into one store; any prefill instance finds the longest stored prefix of a new prompt and
 fetches it instead of recomputing it (BanaServe's global KV cache store). The store has a capacity in
 blocks, a link to the GPUs (bandwidth + latency), and evicts least recently used blocks with Mooncake
 Store's watermarks: when a put takes it past ``high_watermark`` (95% full) it frees blocks down to
