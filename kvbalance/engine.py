@@ -12,6 +12,7 @@ step path is unchanged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbalance.batch import BatchPlan, StepResult
@@ -60,6 +61,14 @@ class InstanceLoad:
     def outstanding_tokens(self) -> int:
         """Work left in tokens: prefill still to compute plus output still to generate."""
         return self.queued_prefill_tokens + self.remaining_output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRunStep:
+    """The plan of one step of a decode run, as far as step hooks read it."""
+
+    num_tokens: int
+    num_decode_seqs: int
 
 
 @dataclass
@@ -227,6 +236,92 @@ class Instance:
         if switch.admission_open is not None:
             sched.admission_open = switch.admission_open
         return latency_s
+
+    def decode_run(
+        self,
+        now: float,
+        horizon_s: float,
+        on_step: Callable[[StepOutcome, float], None],
+        max_steps: int = 1 << 20,
+    ) -> float | None:
+        """Run at once the decode-only steps that follow from ``now`` while nothing can change their shape,
+        exactly as one :meth:`step` and :meth:`complete` each would (same blocks, tokens, times and counters),
+        and return when the last one ends (None: not one step could be run this way; step normally).
+
+        A run needs the scheduler's ``decode_run_ready``, an executor with ``supports_decode_runs``, no elastic
+        reserve, and ends before: a step that would end at or after ``horizon_s`` (the caller's next event that
+        can read or change this instance), a request's last token, a step whose new blocks are more than the
+        free ones (eviction and preemption take the normal path), or ``max_steps``. Per step it costs the cost
+        model's step time and the block events (a block allocated or filled), not one update per request;
+        ``on_step(outcome, end_s)`` gets each step as the normal path's hooks would (``outcome.plan`` is a
+        ``DecodeRunStep``: token and sequence counts only; requests' token lists catch up at block events and
+        at the end)."""
+        ex = self.executor
+        if self.elastic is not None or self.failed or not getattr(ex, "supports_decode_runs", False):
+            return None
+        sched = self.scheduler
+        if not sched.decode_run_ready():
+            return None
+        reqs = list(sched.running)
+        n = len(reqs)
+        steps_left = (
+            min(r.sampling.max_tokens - len(r.output_token_ids) for r in reqs) - 1
+        )  # the last is normal
+        limit = min(steps_left, max_steps)
+        if limit < 1:
+            return None
+        kv, pool, bs = sched.kv, self.pool, self.pool.block_size
+        caching = sched.cache is not None
+        c0 = [r.num_computed_tokens for r in reqs]
+        # block events by step residue mod bs, in running order (the order the normal path meets them)
+        allocs: dict[int, list[int]] = {}
+        first_alloc = []
+        fills: dict[int, list[int]] = {}
+        for i, r in enumerate(reqs):
+            a = len(r.block_ids) * bs - c0[i] + 1  # first step whose token needs a new block
+            first_alloc.append(a)
+            allocs.setdefault(a % bs, []).append(i)
+            fills.setdefault(-c0[i] % bs, []).append(i)
+        done = [0] * n  # steps already written into each request's token lists
+        ends: list[float] = []
+        ctx = sum(c0)
+        t = now
+        for j in range(1, limit + 1):
+            d = ex.decode_step_s(n, ctx + j * n)
+            end = t + d
+            if not end < horizon_s:
+                break
+            grow = [i for i in allocs.get(j % bs, ()) if first_alloc[i] <= j]
+            if len(grow) > pool.num_free:
+                break
+            for i in grow:
+                if not kv.allocate_slots(reqs[i], c0[i] + j):
+                    raise RuntimeError("block accounting: a decode run's block failed to allocate")
+            ex.note_step(d)
+            self.num_steps += 1
+            self.busy_s += d
+            ends.append(end)
+            if caching:
+                for i in fills.get(j % bs, ()):
+                    self._catch_up(reqs[i], c0[i], done, i, j, ends)
+                    kv.cache_full_blocks(reqs[i])
+            on_step(StepOutcome(DecodeRunStep(n, n), StepResult(d), t), end)
+            t = end
+        if not ends:
+            return None
+        for i, r in enumerate(reqs):
+            self._catch_up(r, c0[i], done, i, len(ends), ends)
+        return t
+
+    def _catch_up(self, req: Request, c0: int, done: list[int], i: int, j: int, ends: list[float]) -> None:
+        """Write steps done[i]+1 .. j of a decode run into ``req`` (computed tokens, tokens, token times)."""
+        k = done[i]
+        if k == j:
+            return
+        req.num_computed_tokens = c0 + j
+        req.output_token_ids.extend(self.executor.decode_tokens(req.request_id, c0 + k + 1, j - k))
+        req.token_times_s.extend(ends[k:j])
+        done[i] = j
 
     def complete(self, outcome: StepOutcome, now: float) -> list[Request]:
         return self.scheduler.update(outcome.plan, outcome.result, now)

@@ -1,6 +1,7 @@
 """The simulator's speed-ups are exact: the step-shape cache gives the cost model's own breakdown for every
-plan of a shape, and whole runs (one instance, a colocated cluster, a P/D split) summarise bit for bit the same
-with the fast paths on and off (KVBALANCE_SIM_FAST)."""
+plan of a shape, and whole runs (one instance with Sarathi or vLLM scheduling and prefix sharing, a colocated
+cluster, a P/D split) give bit for bit the same summaries, per-request token times, tokens, block tables and
+timelines with the fast paths (shape cache, decode runs) on and off (KVBALANCE_SIM_FAST)."""
 
 from __future__ import annotations
 
@@ -72,13 +73,23 @@ def _run_all(monkeypatch, fast: str) -> list[str]:
 
     out = []
     single = SimulateConfig(workload="sharegpt", rate=30.0, num_requests=300, ttft_slo_s=0.5, tpot_slo_s=0.05)
-    res = run_simulation(single, report=False)
-    out.append(json.dumps(res.summary, sort_keys=True))
-    out.append(json.dumps([(r.first_token_s, r.finish_s, r.token_times_s[-1]) for r in res.requests]))
+    for cfg in (
+        single,
+        single.model_copy(update={"policy": "vllm", "workload": "prefix:4:256:10-200:10-300"}),
+    ):
+        res = run_simulation(cfg, report=False)
+        out.append(json.dumps(res.summary, sort_keys=True))
+        out.append(json.dumps([(r.first_token_s, r.finish_s, r.token_times_s, r.output_token_ids, r.block_ids)
+                               for r in res.requests]))  # fmt: skip
+        out.append(
+            json.dumps([res.timeline.column(c).tolist() for c in ("time_s", "running", "kv_used_tokens")])
+        )
     sim = SimulateConfig(model="llama-2-13b", workload="alpaca", rate=40.0, num_requests=300)
     for ccfg in (vllm_config(3), pd_config(1, 2)):
         reqs = build_requests("alpaca", 300, 40.0, 0, 4096)
         r = run_cluster(sim, ccfg, reqs)
+        runs = sum(m.driver.decode_run_steps for m in r.cluster.members)
+        assert (runs > 0) == (fast == "1" and r.cluster.pd is None), (fast, runs)  # the path under test ran
         out.append(json.dumps(r.summary, sort_keys=True, default=str))
         out.append(json.dumps([(q.first_token_s, q.finish_s) for q in reqs]))
     return out

@@ -92,8 +92,9 @@ class SimExecutor:
     ) -> None:
         self.cost_model = cost_model
         self.step_model = step_model if step_model is not None else cost_model
+        self._fast = fast_paths_enabled()
         if shape_cache is None:
-            shape_cache = fast_paths_enabled()
+            shape_cache = self._fast
         self._shapes: dict[tuple, object] | None = {} if shape_cache and step_model is None else None
         self.shape_hits = 0
         self.shape_lookups = 0
@@ -136,6 +137,44 @@ class SimExecutor:
             return replace(hit)
         self.shape_hits += 1
         return replace(hit)
+
+    # -- decode runs (``Instance.decode_run``): many identical-shape decode steps without a plan each ------
+    @property
+    def supports_decode_runs(self) -> bool:
+        """Whether :meth:`decode_step_s` gives what :meth:`execute` would (the plain cost model only, and the
+        fast paths on)."""
+        return self.step_model is self.cost_model and self._fast
+
+    def decode_step_s(self, num_seqs: int, context_sum: int) -> float:
+        """Duration :meth:`execute` gives any step of ``num_seqs`` sampling decodes (one new token each, no
+        transfers) whose contexts after the step sum to ``context_sum``: the cost model sees a step through its
+        shape (:func:`step_shape`), so one plan of that shape stands for all. Counts nothing (:meth:`note_step`)."""
+        key = (num_seqs, num_seqs, num_seqs, num_seqs, context_sum, ())
+        shapes = self._shapes
+        hit = shapes.get(key) if shapes is not None else None
+        if hit is None:
+            seqs = [(1, context_sum - (num_seqs - 1), True)] + [(1, 1, True)] * (num_seqs - 1)
+            hit = self.cost_model.step(seqs)
+            if shapes is not None and len(shapes) < SHAPE_CACHE_MAX:
+                shapes[key] = hit
+        compute_s = breakdown_total_s(hit)
+        return compute_s + max(0.0, 0.0 - compute_s)  # execute()'s arithmetic with nothing to transfer
+
+    def note_step(self, duration_s: float) -> None:
+        """Account one step run outside :meth:`execute` (a decode run's)."""
+        self.num_steps += 1
+        self.busy_s += duration_s
+
+    def decode_tokens(self, request_id: str, first_context_len: int, count: int) -> list[int]:
+        """The stand-in tokens :meth:`execute` samples for ``request_id`` over ``count`` decode steps, the first
+        at context length ``first_context_len``."""
+        base = self._standin_base.get(request_id)
+        if base is None:
+            base = self._standin_base[request_id] = standin_token(request_id, 0)
+        lo = first_context_len & _POS_MASK
+        if lo + count <= _POS_MASK + 1:
+            return list(range(base + lo, base + lo + count))
+        return [base + ((first_context_len + k) & _POS_MASK) for k in range(count)]
 
     def execute(self, plan: BatchPlan) -> StepResult:
         breakdown = self.predict(plan)

@@ -29,6 +29,10 @@ from kvbalance.scheduler.base import POLICIES
 from kvbalance.scheduler.config import SchedulerConfig  # importers of kvbalance.scheduler.core keep it here
 from kvbalance.scheduler.control import RequestControl
 
+# policies whose plan, when every running request decodes and none can be admitted, is exactly "one token for
+# each running request, in order" (both run schedule_running first or only; see decode_run_ready)
+DECODE_RUN_POLICIES = ("sarathi", "vllm")
+
 
 class Scheduler(RequestControl):
     def __init__(
@@ -105,6 +109,33 @@ class Scheduler(RequestControl):
             or r._num_prompt + len(r.output_token_ids) - r.num_computed_tokens > 1
             for r in self.running
         )
+
+    def decode_run_ready(self) -> bool:
+        """Whether every step from now on is the same plan shape until a request finishes or needs a block:
+        each running request decodes one token (a policy of ``DECODE_RUN_POLICIES`` with the batch inside its
+        token budget), nothing can be admitted (no request waits, or the batch is at ``max_num_seqs``), no KV
+        is in flight, and only the length rule can stop a request (``Instance.decode_run`` relies on this)."""
+        running = self.running
+        if not running or self.loading or self._held or self.policy.name not in DECODE_RUN_POLICIES:
+            return False
+        if self.waiting and len(running) < self.config.max_num_seqs:
+            return False
+        if self.policy.name == "sarathi" and len(running) > self.config.max_num_batched_tokens:
+            return False
+        for r in running:
+            if (
+                r._num_prompt + len(r.output_token_ids) - r.num_computed_tokens != 1
+                or r.first_token_s is None
+            ):
+                return False
+            sp = r.sampling
+            if (
+                sp.stop_token_ids
+                or sp.logprobs is not None
+                or (not sp.ignore_eos and r.eos_token_id is not None)
+            ):
+                return False
+        return True
 
     def schedule_running(self, plan: BatchPlan, budget: int) -> int:
         """Advance running requests (decodes first, then prefill chunks) within ``budget``; return what is left.
