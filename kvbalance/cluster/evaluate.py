@@ -32,7 +32,7 @@ from kvbalance.metrics.summary import meets_slo
 from kvbalance.request import Request
 from kvbalance.sim.run import SimulateConfig
 from kvbalance.specs import get_model
-from kvbalance.workloads.presets import build_requests
+from kvbalance.workloads.presets import TRACES, build_requests, parse_workload
 
 SLO_TARGET = 0.9  # DistServe: the rate at which 90% of requests meet both SLOs
 
@@ -138,6 +138,7 @@ class Workbench:
     # SLO attainment over the requests whose ``meta[key] == value`` only (e.g. ("phase", 0): one phase of a
     # phase-shifting load); None: all of them
     slo_meta: tuple[str, object] | None = None
+    _trace_rate: float | None = None  # a trace workload's own mean arrival rate (requests/s)
     _cache: dict = field(default_factory=dict)
     _verdicts: dict = field(default_factory=dict)  # (config key, rate) -> passed
     # config key -> [(rate, attainment, exact)]; exact False: a stopped probe's bound (>= for a pass, <= a fail)
@@ -148,17 +149,29 @@ class Workbench:
     def requests_for(self, rate: float) -> int:
         return int(min(max(self.min_requests, round(rate * self.duration_s)), self.max_requests))
 
+    def time_scale(self, rate: float) -> float:
+        """A trace replays at ``rate``: its own arrival times scaled by (its mean rate / rate); 1 otherwise."""
+        if parse_workload(self.workload).kind not in TRACES:
+            return 1.0
+        if self._trace_rate is None:
+            reqs = build_requests(self.workload, None, 1.0, self.seed, get_model(self.model).max_context)
+            span = reqs[-1].arrival_s - reqs[0].arrival_s if len(reqs) > 1 else 0.0
+            if not span > 0:
+                raise ValueError(f"workload: trace {self.workload!r} has no arrival times to scale to a rate")
+            self._trace_rate = (len(reqs) - 1) / span
+        return self._trace_rate / rate
+
     def sim_config(self, rate: float) -> SimulateConfig:
         return SimulateConfig(
             model=self.model, gpu=self.gpu, workload=self.workload, rate=rate, num_requests=self.requests_for(rate),
             arrival=self.arrival, cv=self.cv, seed=self.seed, ttft_slo_s=self.ttft_slo_s,
-            tpot_slo_s=self.tpot_slo_s,
+            tpot_slo_s=self.tpot_slo_s, time_scale=self.time_scale(rate),
         )  # fmt: skip
 
     def requests(self, rate: float) -> list[Request]:
         return build_requests(
             self.workload, self.requests_for(rate), rate, self.seed, get_model(self.model).max_context,
-            arrival=self.arrival, cv=self.cv,
+            arrival=self.arrival, cv=self.cv, time_scale=self.time_scale(rate),
         )  # fmt: skip
 
     @staticmethod
@@ -177,8 +190,8 @@ class Workbench:
         return self.slo_meta is None or req.meta.get(self.slo_meta[0]) == self.slo_meta[1]
 
     def attainment_of(self, reqs: Sequence[Request]) -> float:
-        mine = [r for r in reqs if self.counted(r)]
-        return sum(meets_slo(r, self.ttft_slo_s, self.tpot_slo_s) for r in mine) / len(mine) if mine else 1.0
+        mine = [r for r in reqs if self.counted(r)]  # none: the run cannot tell (a capped burst) -> a miss
+        return sum(meets_slo(r, self.ttft_slo_s, self.tpot_slo_s) for r in mine) / len(mine) if mine else 0.0
 
     def attainment(self, cfg: ClusterConfig, rate: float) -> float:
         """SLO attainment at ``rate`` (a full run's; a stopped probe's bound: the verdict is exact)."""
@@ -194,6 +207,8 @@ class Workbench:
     def _probe(self, cfg: ClusterConfig, rate: float) -> tuple[float, bool]:
         reqs = self.requests(rate)
         n = sum(1 for r in reqs if self.counted(r))
+        if n == 0:
+            return 0.0, True  # no request of the scope at this rate: no evidence it is met
         counter = SloCounter(n, SLO_TARGET, self.ttft_slo_s, self.tpot_slo_s, counts=self.counted)
         cluster = build_cluster(self.sim_config(rate), cfg)
         cluster.on_finish = counter

@@ -1,26 +1,36 @@
-"""Reproduce BanaServe's comparison: vLLM, DistServe and BanaServe (with ablations) on 8 x A100-80GB.
+"""Reproduce BanaServe's comparison on 8 x A100-80GB, in the paper's set-up and in today's, and find where its
+gains come from: vLLM (2024 and today), DistServe, Llumnix, BanaServe (+ ablations) and this project's policy.
 
-Setup as in the paper: LLaMA-13B and OPT-13B; Alpaca (short prompts) and LongBench (long prompts, truncated to
-the models' 2048-token context); Poisson and bursty (Gamma, cv 4) arrivals; every system on the same GPUs,
-requests and seed. Per (model, workload, arrival) and system: ``max_rate_at_slo_rps`` (highest rate at which
-90% of requests meet both SLOs, DistServe's SLO attainment), ``throughput_rps`` and ``total_time_s`` (one fixed
-request set at an overload rate, twice the best max rate found, the same for every system),
-``mean_latency_s`` / ``p99_latency_s`` (end-to-end, at vLLM's max rate at SLO: the same load for all),
-``hot_spot_ratio`` (max / min busy fraction over instances of a role, at the overload rate) and
-``migrations``. Baselines run at their best: vLLM under the best of its routers, DistServe under the split
-(and per-phase TP in the full run) with the highest max rate at SLO, chosen on Poisson arrivals and kept for
-the bursty ones (a static plan). BanaServe starts from DistServe's split and adds adaptive layer- and
-attention-level migration (``cluster/adaptive.py``); ``banaserve-no-migration`` is the ablation. Every
-system of ``cluster/systems.SYSTEMS`` runs, Llumnix (request-level live migration between colocated instances,
-``cluster/llumnix.py``) included; ``NOT_YET`` ones, if any, are listed as not run with the reason.
+Settings (``SETTINGS``), one group each:
+
+- ``paper``: the paper's workloads: LLaMA-13B (and OPT-13B, full run) on Alpaca (short prompts) and LongBench
+  (long prompts, truncated to the 2,048-token context), Poisson and bursty (Gamma, cv 4) arrivals.
+- ``reuse``: the loads BanaServe's global store and load-aware routing are for: shared documents with Zipf or
+  uniform popularity (``docqa-*``: a working set that fits the GPUs' caches, and one that does not), multi-turn
+  conversations (``chat``), the Mooncake conversation trace (full run; Llama-3.1-8B: its prompts average 12k
+  tokens, beyond LLaMA-13B's context).
+- ``phases``: loads whose mix shifts: prefill-heavy and decode-heavy periods of 15 s (30 s in the full run),
+  and periodic bursts (full run): where a static prefill/decode split is wrong part of the time.
+
+Per setting and system (``cluster/systems.SYSTEMS``): ``max_rate_at_slo_rps`` (highest rate at which 90% of
+requests meet both SLOs, DistServe's SLO attainment), ``throughput_rps`` and ``total_time_s`` (one request set
+at an overload rate, twice the best max rate found, the same for every system), ``mean_latency_s`` /
+``p99_latency_s`` (end-to-end, at vLLM's max rate at SLO: the same load for all), ``hot_spot_ratio`` (max / min
+busy fraction over instances of a role, at the overload rate), ``migrations`` and ``role_flips``, hit ratios,
+and each system's whole configuration. Baselines run at their best: vLLM (today's, with chunked prefill, and
+2024's without) under the best of its routers, DistServe under the split (and per-phase TP in the full run)
+with the highest max rate at SLO, chosen on Poisson arrivals and kept for the bursty ones (a static plan);
+Llumnix at its own defaults. BanaServe starts from DistServe's split.
+
+Also per setting (``meta.json`` ``settings``): the max rate of every split DistServe searched and of every
+vLLM router; goodput and throughput against the rate for the main systems (``curves``); every vLLM router's
+hot-spot ratio at vLLM's max rate (``router_hot_spot``); on phase-shifting loads, each static split's and
+each main system's max rate over the requests of each phase alone (``per_phase``); and the adaptive
+controller's trace (per-GPU utilisation, imbalance, decisions and their reasons) in the ``banaserve*`` rows.
 
 Cost: the max-rate search (``cluster/evaluate.py``) brackets, then bisects geometrically to a stated
-resolution (quick 10%, full 3%), and each probe stops once its verdict is certain (exact). DistServe's splits
-are searched even split first and vLLM's routers from DistServe's rate, so the rest are settled in a probe or
-two; the other systems start from DistServe's rate. ``--quick``: llama-13b only, TP 1, splits with 2-6
-prefill GPUs; arrivals over 1 s (Alpaca, 100-4000 requests) and 8 s (LongBench, 40-240 requests), against 20 s
-and 60 s in the full run: quick max rates are those of a short burst, comparable across systems, not
-steady-state figures.
+resolution (quick 10%, full 3%), and each probe stops once its verdict is certain (exact). Results are
+written after every setting; a rerun into the same folder skips the settings already there.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,38 +53,87 @@ from kvbalance.cluster.systems import (
     vllm_config,
 )
 from kvbalance.metrics.summary import to_json_value
+from kvbalance.workloads.presets import parse_workload
 
 GPU = "a100-80gb"
 NUM_GPUS = 8
 SEED = 0
-# SLOs (TTFT s, TPOT s). Alpaca: DistServe's chat SLO for OPT-13B (0.25 s / 0.1 s). LongBench: prompts up to
-# ~2000 tokens prefill in ~0.2-0.3 s alone on one A100; 1.5 s TTFT allows a few queued prefills (DistServe's
-# summarisation SLOs are loose on TTFT for the same reason), TPOT stays 0.1 s (reading speed).
-SLOS = {"alpaca": (0.25, 0.1), "longbench": (1.5, 0.1)}
 ARRIVALS = {"poisson": ("poisson", 1.0), "bursty": ("gamma", 4.0)}
-START_RPS = {"alpaca": 256.0, "longbench": 8.0}  # the first search's start: only its cost depends on it
 PAPER = {  # BanaServe's reported ranges
     "throughput_vs_vllm": "1.2-3.9x",
     "throughput_vs_distserve": "1.1-2.8x",
     "total_time_reduction_vs_vllm": "3.9-78.4%",
     "latency_reduction_vs_distserve": "1.4-70.1%",
 }
+# the systems whose goodput is traced against the rate, and whose max rate is found per phase
+MAIN = ("vllm", "vllm-v0", "distserve", "banaserve", "banaserve-paper", "kvbalance")
+CURVE_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5)  # x vLLM's max rate at SLO
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One workload of the comparison. ``span_s``: (quick, full) seconds of arrivals at any rate."""
+
+    group: str
+    name: str  # the results' ``workload``
+    workload: str  # the workload string (``workloads/presets.py``)
+    arrival: str
+    model: str
+    ttft_slo_s: float
+    tpot_slo_s: float
+    span_s: tuple[float, float]
+    requests: tuple[int, int]  # (min, max) requests of a run
+    start_rps: float  # the first search's start: only its cost depends on it
+    quick: bool = True  # in the quick run too
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}/{self.name}/{self.arrival}"
+
+
+PHASES = "phases-{}"  # workloads/phases.py PRESETS
+
+
+def _settings() -> list[Setting]:
+    # SLOs (TTFT s, TPOT s). Alpaca: DistServe's chat SLO for OPT-13B (0.25 / 0.1). LongBench: prompts up to
+    # ~2000 tokens prefill in ~0.2-0.3 s alone on one A100; 1.5 s allows a few queued prefills. Documents:
+    # 1.5k-token contexts with a short question, 0.5 s. Conversations and phases: 1 s. Mooncake: 12k-token
+    # prompts on average (up to 126k), 5 s. TPOT 0.1 s (reading speed) everywhere.
+    out = []
+    for model, quick in (("llama-13b", True), ("opt-13b", False)):
+        for arr in ARRIVALS:
+            out.append(Setting("paper", "alpaca", "alpaca", arr, model, 0.25, 0.1, (1.0, 20.0), (100, 8000), 256.0,
+                               quick))  # fmt: skip
+            out.append(Setting("paper", "longbench", "longbench", arr, model, 1.5, 0.1, (8.0, 60.0), (40, 1000), 8.0,
+                               quick))  # fmt: skip
+    out += [
+        Setting("reuse", "docqa-zipf", "docqa-zipf", "poisson", "llama-13b", 0.5, 0.1, (10.0, 30.0), (100, 4000), 64.0),
+        Setting("reuse", "docqa-uniform", "docqa-uniform", "poisson", "llama-13b", 0.5, 0.1, (10.0, 30.0), (100, 4000),
+                64.0),
+        Setting("reuse", "docqa-large", "docqa-large", "poisson", "llama-13b", 0.5, 0.1, (10.0, 30.0), (100, 4000),
+                32.0, quick=False),
+        Setting("reuse", "chat", "chat", "poisson", "llama-13b", 1.0, 0.1, (20.0, 60.0), (100, 4000), 16.0),
+        Setting("reuse", "mooncake", "mooncake", "poisson", "llama-3.1-8b", 5.0, 0.1, (60.0, 120.0), (50, 1500), 4.0,
+                quick=False),
+        Setting("phases", "phases-15", PHASES.format(15), "poisson", "llama-13b", 1.0, 0.1, (60.0, 60.0),
+                (100, 6000), 32.0),
+        Setting("phases", "phases-30", PHASES.format(30), "poisson", "llama-13b", 1.0, 0.1, (60.0, 120.0),
+                (100, 8000), 32.0, quick=False),
+        Setting("phases", "bursts", "bursts", "poisson", "llama-13b", 0.5, 0.1, (20.0, 40.0), (100, 4000), 16.0,
+                quick=False),
+    ]  # fmt: skip
+    return out
+
+
+SETTINGS = _settings()
 
 
 def _sizes(quick: bool) -> dict[str, Any]:
-    # per workload: (arrival span s, min requests, max requests); "prefill": GPUs given to prefill tried;
-    # "resolution": of the max-rate search (the threshold lies in [rate, rate x (1 + resolution)])
+    # "prefill": GPUs given to prefill that DistServe's search tries (quick: the middle half, 2-6 of 8)
     if quick:
-        n = {"alpaca": (1.0, 100, 4000), "longbench": (8.0, 40, 240)}
-        return {"models": ("llama-13b",), "n": n, "resolution": 0.1, "tps": (1,), "prefill": range(2, 7)}
-    n = {"alpaca": (20.0, 200, 8000), "longbench": (60.0, 100, 1000)}
-    return {
-        "models": ("llama-13b", "opt-13b"),
-        "n": n,
-        "resolution": 0.03,
-        "tps": (1, 2),
-        "prefill": range(1, 8),
-    }
+        edge = max(1, NUM_GPUS // 4)
+        return {"resolution": 0.1, "tps": (1,), "prefill": range(edge, NUM_GPUS - edge + 1)}
+    return {"resolution": 0.03, "tps": (1, 2), "prefill": range(1, NUM_GPUS)}
 
 
 def _measure(
@@ -84,7 +144,8 @@ def _measure(
     s = over.summary
     return {
         "system": system,
-        "config": f"{cfg.describe()} router={cfg.router}" + (" store" if cfg.store else ""),
+        "config": cfg.summary_line(),
+        "config_detail": cfg.model_dump(exclude_defaults=True),
         "max_rate_at_slo_rps": max_rate,
         "throughput_rps": s["throughput_rps"],
         "total_time_s": s["makespan_s"],
@@ -92,106 +153,186 @@ def _measure(
         "p99_latency_s": at_load["e2e_s"]["p99"],
         "ttft_p90_s": at_load["ttft_s"]["p90"],
         "tpot_p90_s": at_load["tpot_s"]["p90"],
+        "slo_attainment_at_load": at_load["slo_attainment"],
         "load_rate_rps": load_rate,
         "overload_rate_rps": overload_rate,
         "hot_spot_ratio": s["hot_spot_ratio"],
         "hot_spot_ratio_by_role": s["hot_spot_ratio_by_role"],
+        "hot_spot_ratio_at_load": at_load["hot_spot_ratio"],
         "migrations": s["migrations"],
+        "role_flips": at_load["role_flips"],
         "migration_log": s.get("migration_log", []),
+        "migrations_at_load": at_load["migrations"],
+        "migration_log_at_load": at_load.get("migration_log", []),
+        "role_log": at_load["role_log"],
+        "controller_trace": at_load["controller_trace"],  # at vLLM's max rate: the load the SLO is met at
         "store_fetched_blocks": s["store_fetched_blocks"],
+        "prefix_hit_rate": at_load["prefix_hit_rate"],
+        "store_hit_rate": at_load["store_hit_rate"],
+        "decode_local_hit_rate": at_load["decode_local_hit_rate"],
         "preemptions": s["preemptions"],
         "busy_series": {
             k: [list(map(float, t)), list(map(float, f))]
-            for k, (t, f) in over.run.busy_series(max(s["makespan_s"] / 40, 1e-3)).items()
+            for k, (t, f) in wb.run(cfg, load_rate)
+            .run.busy_series(max(at_load["makespan_s"] / 60, 1e-3))
+            .items()
         },  # fmt: skip
     }
 
 
-def _one_setting(model, workload, arrival, sizes, split, tick) -> tuple[list[dict], tuple, dict]:
-    kind, cv = ARRIVALS[arrival]
-    ttft, tpot = SLOS[workload]
-    span, lo, hi = sizes["n"][workload]
-    wb = Workbench(model, GPU, workload, kind, cv, ttft, tpot, duration_s=span, min_requests=lo, max_requests=hi,
-                   seed=SEED, resolution=sizes["resolution"], on_run=tick)  # fmt: skip
-    start = START_RPS[workload]
-    notes: dict[str, Any] = {}
+def _per_phase(wb: Workbench, st: Setting, cfgs: dict, start: float) -> dict:
+    """Max rate at SLO over the requests of each phase alone, per config (full runs shared with ``wb``)."""
+    phases = range(len(parse_workload(st.workload).options.phases))
+    out: dict[str, list[float]] = {}
+    for j in phases:
+        pw = Workbench(st.model, GPU, st.workload, *ARRIVALS[st.arrival], st.ttft_slo_s, st.tpot_slo_s,
+                       duration_s=wb.duration_s, min_requests=wb.min_requests, max_requests=wb.max_requests,
+                       seed=SEED, resolution=wb.resolution, early_exit=False, slo_meta=("phase", j),
+                       on_run=wb.on_run, _cache=wb._cache)  # fmt: skip
+        for name, cfg in cfgs.items():
+            out.setdefault(name, []).append(pw.max_rate_at_slo(cfg, start, 1 + wb.resolution))
+    return out
+
+
+def _one_setting(st: Setting, quick: bool, split, tick) -> tuple[list[dict], tuple, dict]:
+    sizes = _sizes(quick)
+    kind, cv = ARRIVALS[st.arrival]
+    lo, hi = st.requests
+    wb = Workbench(st.model, GPU, st.workload, kind, cv, st.ttft_slo_s, st.tpot_slo_s,
+                   duration_s=st.span_s[0 if quick else 1], min_requests=lo, max_requests=hi, seed=SEED,
+                   resolution=sizes["resolution"], on_run=tick)  # fmt: skip
+    start, step = st.start_rps, 1 + sizes["resolution"]
+    notes: dict[str, Any] = {"group": st.group, "workload_string": st.workload}
+    splits = [sp for sp in distserve_splits(NUM_GPUS, sizes["tps"]) if sp[0] * sp[2] in sizes["prefill"]]
+    # the even split first (the likely winner: then the others are pruned in a probe or two)
+    splits.sort(key=lambda sp: (abs(2 * sp[0] * sp[2] - NUM_GPUS), sp))
     if split is None:  # DistServe's search: every split and per-phase TP of the budget
-        splits = [sp for sp in distserve_splits(NUM_GPUS, sizes["tps"]) if sp[0] * sp[2] in sizes["prefill"]]
-        # the even split first (the likely winner: then the others are pruned in a probe or two)
-        splits.sort(key=lambda sp: (abs(2 * sp[0] * sp[2] - NUM_GPUS), sp))
         i, _, rates = wb.best_of([pd_config(*sp) for sp in splits], start)
         split = splits[i]
         notes["distserve_search"] = [
             {"split": sp, "max_rate_at_slo_rps": r or None} for sp, r in zip(splits, rates)
         ]
     ds = wb.max_rate_at_slo(system_config("distserve", NUM_GPUS, split), start)  # searched above if split was
-    routers = list(VLLM_ROUTERS)
-    j, _, rates = wb.best_of([vllm_config(NUM_GPUS, r) for r in routers], ds or start)
-    notes["vllm_routers"] = {r: (x or None) for r, x in zip(routers, rates)}
-    cfgs = {s: system_config(s, NUM_GPUS, split, routers[j] if s == "vllm" else None) for s in SYSTEMS}
-    # the others start from DistServe's rate (they share its split), first bracket step 1 + resolution: a
-    # system within the resolution of it costs two probes
-    max_rates = {s: wb.max_rate_at_slo(c, ds or start, 1 + sizes["resolution"]) for s, c in cfgs.items()}
+    best_router = {}
+    for fam, v0 in (("vllm", False), ("vllm-v0", True)):
+        j, _, rates = wb.best_of([vllm_config(NUM_GPUS, r, v0=v0) for r in VLLM_ROUTERS], ds or start)
+        best_router[fam] = VLLM_ROUTERS[j]
+        notes[f"{fam}_routers"] = {r: (x or None) for r, x in zip(VLLM_ROUTERS, rates)}
+    cfgs = {s: system_config(s, NUM_GPUS, split, best_router.get(s)) for s in SYSTEMS if s not in NOT_YET}
+    # the others start from DistServe's rate (most share its split), first bracket step 1 + resolution
+    max_rates = {s: wb.max_rate_at_slo(c, ds or start, step) for s, c in cfgs.items()}
     load_rate = max_rates["vllm"] or start / 4
     overload = 2 * max(max(max_rates.values()), load_rate)
     rows = []
     for s, c in cfgs.items():
-        row = {
-            "model": model,
-            "workload": workload,
-            "arrival": arrival,
-            **_measure(wb, s, c, max_rates[s], load_rate, overload),
-        }
+        row = {"model": st.model, "workload": st.name, "arrival": st.arrival, "group": st.group,
+               **_measure(wb, s, c, max_rates[s], load_rate, overload)}  # fmt: skip
         row["slo_probes"] = sorted(wb.probes.get(wb.key(c), []))
         rows.append(row)
     for s, why in NOT_YET.items():
-        rows.append({"model": model, "workload": workload, "arrival": arrival, "system": s, "not_run": why})
-    notes.update({"split": split, "slo_ttft_s": ttft, "slo_tpot_s": tpot, "arrival_span_s": wb.duration_s,
-                  "requests_at_overload": wb.requests_for(overload)})  # fmt: skip
+        rows.append(
+            {"model": st.model, "workload": st.name, "arrival": st.arrival, "system": s, "not_run": why}
+        )
+    notes["curves"] = {
+        s: [
+            {"rate_rps": f * load_rate, **{k: wb.run(cfgs[s], f * load_rate).summary[k]
+                                           for k in ("goodput_rps", "throughput_rps", "slo_attainment")}}
+            for f in CURVE_FACTORS
+        ]
+        for s in MAIN
+    }  # fmt: skip
+    notes["router_hot_spot"] = {
+        r: wb.run(vllm_config(NUM_GPUS, r), load_rate).summary["hot_spot_ratio"] for r in VLLM_ROUTERS
+    }
+    notes["router_hot_spot"]["store_aware (kvbalance)"] = wb.run(cfgs["kvbalance"], load_rate).summary[
+        "hot_spot_ratio"
+    ]
+    if st.group == "phases":
+        per = _per_phase(wb, st, {**{f"split {sp}": pd_config(*sp) for sp in splits},
+                                  **{s: cfgs[s] for s in MAIN}}, ds or start)  # fmt: skip
+        notes["per_phase"] = per
+        static = [v for k, v in per.items() if k.startswith("split")]
+        notes["best_static_per_phase"] = [max(v[j] for v in static) for j in range(len(static[0]))]
+        for row in rows:
+            row["per_phase_max_rate_rps"] = per.get(row["system"])
+    notes.update({"split": split, "slo_ttft_s": st.ttft_slo_s, "slo_tpot_s": st.tpot_slo_s,
+                  "arrival_span_s": wb.duration_s, "requests_at_overload": wb.requests_for(overload),
+                  "best_router": best_router})  # fmt: skip
     return rows, split, notes
 
 
-def run(out_dir: Path, quick: bool = False, models: tuple[str, ...] | None = None) -> dict:
-    """Run the reproduction into ``out_dir``; ``models`` overrides the mode's models (e.g. opt-13b quick)."""
+def run(
+    out_dir: Path,
+    quick: bool = False,
+    models: tuple[str, ...] | None = None,
+    groups: tuple[str, ...] | None = None,
+) -> dict:
+    """Run the reproduction into ``out_dir``; ``models`` / ``groups`` keep only those settings. Results are written
+    after each setting; settings already in ``out_dir/results.json`` are kept, not rerun."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvbalance.reproduce.banaserve_report import write_plots, write_readme
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sizes = _sizes(quick)
+    settings = [s for s in SETTINGS if (s.quick or not quick)]
     if models is not None:
-        sizes["models"] = tuple(models)
-    settings = [(m, w, a) for m in sizes["models"] for w in SLOS for a in ARRIVALS]
-    t0, c0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()[0]
+        settings = [s for s in settings if s.model in models]
+    if groups is not None:
+        settings = [s for s in settings if s.group in groups]
     rows: list[dict] = []
-    notes: dict[str, Any] = {}
-    runs = [0]
+    meta: dict[str, Any] = {"settings": {}, "wall_s": 0.0, "cpu_s": 0.0, "simulated_runs": 0}
+    if (out / "results.json").exists() and (out / "meta.json").exists():
+        old_meta = json.loads((out / "meta.json").read_text())
+        if old_meta.get("quick") == quick:
+            meta = old_meta
+            rows = json.loads((out / "results.json").read_text())
+    done = {k for k in meta["settings"]}
+    t0, c0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()[0]
+    runs = [meta.get("simulated_runs", 0)]
+    wall0, cpu0 = meta.get("wall_s", 0.0), meta.get("cpu_s", 0.0)
+
+    def save() -> None:
+        meta.update({"quick": quick, "gpu": GPU, "num_gpus": NUM_GPUS, "seed": SEED, "paper": PAPER,
+                     "wall_s": wall0 + time.perf_counter() - t0, "cpu_s": cpu0 + time.process_time() - c0,
+                     "load_average": f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end",
+                     "simulated_runs": runs[0], "sizes": _sizes(quick) | {"prefill": list(_sizes(quick)["prefill"])},
+                     "engine": _engine_name()})  # fmt: skip
+        (out / "results.json").write_text(json.dumps(to_json_value(rows), indent=1, default=str))
+        (out / "meta.json").write_text(json.dumps(to_json_value(meta), indent=1, default=str))
+
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()
     ) as bar:
-        task = bar.add_task("banaserve", total=len(settings))
-        sim_task = bar.add_task("simulated runs", total=None)
+        task = bar.add_task("banaserve", total=len(settings), completed=sum(s.key in done for s in settings))
+        sim_task = bar.add_task("simulated runs", total=None, completed=runs[0])
 
         def tick() -> None:
             runs[0] += 1
             bar.update(sim_task, completed=runs[0])
 
-        splits: dict[tuple[str, str], tuple] = {}
-        for model, workload, arrival in settings:
-            bar.update(task, description=f"{model} {workload} {arrival}")
-            r, split, n = _one_setting(model, workload, arrival, sizes, splits.get((model, workload)), tick)
-            splits[(model, workload)] = split
+        splits: dict[tuple[str, str], tuple] = {
+            (k.split("/")[0], k.split("/")[1]): tuple(v["split"]) for k, v in meta["settings"].items()
+        }
+        for st in settings:
+            if st.key in done:
+                continue
+            bar.update(task, description=st.key)
+            r, split, n = _one_setting(st, quick, splits.get((st.model, st.name)), tick)
+            splits[(st.model, st.name)] = split
             rows += r
-            notes[f"{model}/{workload}/{arrival}"] = n
+            meta["settings"][st.key] = n
+            save()
             bar.advance(task)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    load = f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
-    meta = {"quick": quick, "gpu": GPU, "num_gpus": NUM_GPUS, "seed": SEED, "wall_s": wall, "cpu_s": cpu,
-            "load_average": load, "simulated_runs": runs[0], "paper": PAPER, "settings": notes,
-            "sizes": {"n": sizes["n"], "resolution": sizes["resolution"]}}  # fmt: skip
-    (out / "results.json").write_text(json.dumps(to_json_value(rows), indent=1, default=str))
-    (out / "meta.json").write_text(json.dumps(to_json_value(meta), indent=1, default=str))
-    write_plots(out, rows)
+    save()
+    write_plots(out, rows, meta)
     write_readme(out, rows, meta)
-    return {"rows": len(rows), "wall_s": wall, "cpu_s": cpu, "simulated_runs": runs[0], "out": str(out)}
+    return {"rows": len(rows), "wall_s": meta["wall_s"], "cpu_s": meta["cpu_s"], "simulated_runs": runs[0],
+            "out": str(out)}  # fmt: skip
+
+
+def _engine_name() -> str:
+    from kvbalance.perf.engines import resolve_engine
+    from kvbalance.specs import get_gpu
+
+    return resolve_engine(None, get_gpu(GPU)).name

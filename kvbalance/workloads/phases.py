@@ -29,10 +29,12 @@ from kvbalance.workloads.tokens import unique_prompt
 
 KINDS = ("phases", "bursts")
 PRESETS = {
-    # 15 s of LongBench-like prompts with short answers, then 15 s of short prompts with long answers
-    "phases-15": "phases:15:1024-1792:16-64:32-128:256-512",
-    "phases-30": "phases:30:1024-1792:16-64:32-128:256-512",
-    "phases-60": "phases:60:1024-1792:16-64:32-128:256-512",
+    # 15 s of LongBench-like prompts with short answers, then 15 s of short prompts with long answers at 2.5x
+    # the rate: for a 13B model on 8 A100s the first phase wants about 6 prefill GPUs of 8, the second about 6
+    # decode GPUs (a prefill GPU takes ~5 of these prompts a second, a decode GPU ~13 of these answers)
+    "phases-15": "phases:15:1024-1792:16-64:32-128:256-512:2.5",
+    "phases-30": "phases:30:1024-1792:16-64:32-128:256-512:2.5",
+    "phases-60": "phases:60:1024-1792:16-64:32-128:256-512:2.5",
     # a 2 s burst at 4x the mean rate every 10 s, ShareGPT-like lengths
     "bursts": "bursts:10:2:4:16-512:16-512",
 }
