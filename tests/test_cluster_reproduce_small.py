@@ -32,7 +32,8 @@ def test_reproduction_runs_every_system_and_writes_its_report(two_gpus, tmp_path
         assert r["group"] == "phases" and r["workload"] == "phases-tiny"
     by = {r["system"]: r for r in rows}
     assert "policy=vllm engine=vllm-v0" in by["vllm-v0"]["config"]
-    assert "role flips" in by["banaserve"]["config"] and "role flips" not in by["banaserve-paper"]["config"]
+    assert "migration=role flips" in by["banaserve"]["config"]
+    assert "migration=layer+attention" in by["banaserve-paper"]["config"]
     assert len(by["banaserve"]["per_phase_max_rate_rps"]) == 2
     assert by["banaserve"]["controller_trace"]["reason"]
     meta = json.loads((tmp_path / "meta.json").read_text())

@@ -29,7 +29,7 @@ each main system's max rate over the requests of each phase alone (``per_phase``
 controller's trace (per-GPU utilisation, imbalance, decisions and their reasons) in the ``banaserve*`` rows.
 
 Cost: the max-rate search (``cluster/evaluate.py``) brackets, then bisects geometrically to a stated
-resolution (quick 10%, full 3%), and each probe stops once its verdict is certain (exact). Results are
+resolution (quick 10%, full 5%), and each probe stops once its verdict is certain (exact). Results are
 written after every setting; a rerun into the same folder skips the settings already there.
 """
 
@@ -65,9 +65,10 @@ PAPER = {  # BanaServe's reported ranges
     "total_time_reduction_vs_vllm": "3.9-78.4%",
     "latency_reduction_vs_distserve": "1.4-70.1%",
 }
-# the systems whose goodput is traced against the rate, and whose max rate is found per phase
-MAIN = ("vllm", "vllm-v0", "distserve", "banaserve", "banaserve-paper", "kvbalance")
-CURVE_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5)  # x vLLM's max rate at SLO
+# the systems whose goodput is traced against the rate, and whose max rate is found per phase (with every
+# static split DistServe searched)
+MAIN = ("vllm", "distserve", "banaserve", "banaserve-paper", "kvbalance")
+CURVE_FACTORS = (0.5, 0.75, 1.0, 1.25)  # x vLLM's max rate at SLO
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def _sizes(quick: bool) -> dict[str, Any]:
     if quick:
         edge = max(1, NUM_GPUS // 4)
         return {"resolution": 0.1, "tps": (1,), "prefill": range(edge, NUM_GPUS - edge + 1)}
-    return {"resolution": 0.03, "tps": (1, 2), "prefill": range(1, NUM_GPUS)}
+    return {"resolution": 0.05, "tps": (1, 2), "prefill": range(1, NUM_GPUS)}
 
 
 def _measure(
@@ -181,14 +182,15 @@ def _measure(
 
 
 def _per_phase(wb: Workbench, st: Setting, cfgs: dict, start: float) -> dict:
-    """Max rate at SLO over the requests of each phase alone, per config (full runs shared with ``wb``)."""
+    """Max rate at SLO over the requests of each phase alone, per config (probes stop once their verdict on
+    that phase's requests is certain)."""
     phases = range(len(parse_workload(st.workload).options.phases))
     out: dict[str, list[float]] = {}
     for j in phases:
         pw = Workbench(st.model, GPU, st.workload, *ARRIVALS[st.arrival], st.ttft_slo_s, st.tpot_slo_s,
                        duration_s=wb.duration_s, min_requests=wb.min_requests, max_requests=wb.max_requests,
-                       seed=SEED, resolution=wb.resolution, early_exit=False, slo_meta=("phase", j),
-                       on_run=wb.on_run, _cache=wb._cache)  # fmt: skip
+                       seed=SEED, resolution=wb.resolution, slo_meta=("phase", j), on_run=wb.on_run,
+                       _cache=wb._cache)  # fmt: skip
         for name, cfg in cfgs.items():
             out.setdefault(name, []).append(pw.max_rate_at_slo(cfg, start, 1 + wb.resolution))
     return out
@@ -249,7 +251,7 @@ def _one_setting(st: Setting, quick: bool, split, tick) -> tuple[list[dict], tup
     ]
     if st.group == "phases":
         per = _per_phase(wb, st, {**{f"split {sp}": pd_config(*sp) for sp in splits},
-                                  **{s: cfgs[s] for s in MAIN}}, ds or start)  # fmt: skip
+                                  **{s: cfgs[s] for s in MAIN if s != "distserve"}}, ds or start)  # fmt: skip
         notes["per_phase"] = per
         static = [v for k, v in per.items() if k.startswith("split")]
         notes["best_static_per_phase"] = [max(v[j] for v in static) for j in range(len(static[0]))]
