@@ -66,6 +66,7 @@ def test_a_cached_breakdown_is_a_copy_callers_can_change():
 
 def _run_all(monkeypatch, fast: str) -> list[str]:
     monkeypatch.setenv("KVBALANCE_SIM_FAST", fast)
+    monkeypatch.setenv("KVBALANCE_SIM_DECODE_RUNS", fast)
     from kvbalance.cluster.config import run_cluster
     from kvbalance.cluster.systems import pd_config, vllm_config
     from kvbalance.sim.run import SimulateConfig, run_simulation

@@ -23,7 +23,7 @@ from kvbalance.cluster.monitor import UtilizationMonitor
 from kvbalance.cluster.routers import Router, build_router
 from kvbalance.cluster.topology import Topology
 from kvbalance.engine import InstanceLoad, StepOutcome
-from kvbalance.executor.sim import fast_paths_enabled
+from kvbalance.executor.sim import decode_runs_enabled
 from kvbalance.kvcache.store import GlobalKVStore
 from kvbalance.request import Request, RequestState
 from kvbalance.sim.loop import EventLoop, InstanceDriver
@@ -136,7 +136,7 @@ class Cluster:
         # P/D hand-off, store, monitor or live migration, no per-step invariant checks
         self._arrivals: list[float] = []  # pending arrival times (a heap): the members' horizon
         outside = (self.pd, self.store, self.monitor, self.llumnix)
-        runs = fast_paths_enabled() and not check_invariants and all(x is None for x in outside)
+        runs = decode_runs_enabled() and not check_invariants and all(x is None for x in outside)
         self._running = False
         for m in self.members:
             m.driver = InstanceDriver(
@@ -307,7 +307,7 @@ class Cluster:
         ahead = max(m.driver.run_end_s for m in self.members) if self._running else -math.inf
         if req.arrival_s < ahead:
             raise ValueError(f"arrival_s: {req.request_id} at {req.arrival_s} falls inside a decode run already "
-                             f"simulated (to {ahead}); submit arrivals before run(), or set KVBALANCE_SIM_FAST=0")  # fmt: skip
+                             f"simulated (to {ahead}); submit arrivals before run(), or unset KVBALANCE_SIM_DECODE_RUNS")  # fmt: skip
         self.loop.at(req.arrival_s, self._arrive, req)
         heapq.heappush(self._arrivals, req.arrival_s)
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvbalance.engine import Instance, StepOutcome
+from kvbalance.executor.sim import decode_runs_enabled
 from kvbalance.request import Request, RequestState
 
 
@@ -134,10 +134,11 @@ def simulate_instance(
 ) -> SimRun:
     """Replay ``requests`` (with their ``arrival_s``) against one instance until all are done.
 
-    ``decode_runs`` (default: on unless ``KVBALANCE_SIM_FAST=0``; off with ``check_invariants``, which checks
-    after every step): runs of decode-only steps between arrivals in one event each, exactly."""
+    ``decode_runs`` (default: ``KVBALANCE_SIM_DECODE_RUNS=1``, see ``executor.sim.decode_runs_enabled``; off
+    with ``check_invariants``, which checks after every step): decode-only steps between arrivals in one event
+    per run, exactly."""
     if decode_runs is None:
-        decode_runs = os.environ.get("KVBALANCE_SIM_FAST", "1") != "0"
+        decode_runs = decode_runs_enabled()
     loop = EventLoop()
     reqs = list(requests)
     step_times: list[float] = []
