@@ -135,10 +135,13 @@ def _print(result, check, backend: str) -> None:
     for col in ("GPUs", "$/h", "goodput req/s", "mu bound", "$/h per req/s"):
         table.add_column(col)
     for c in result.front:
-        table.add_row(c.deployment.name, str(c.deployment.num_gpus), f"{c.usd_per_hour:.2f}", f"{c.goodput_rps:.3g}",
+        table.add_row(c.deployment.name, str(c.deployment.num_gpus), f"{c.usd_per_hour:.2f}", f"{c.goodput_rps:.3g}" + ("*" if c.status == "at_ceiling" else ""),
                       f"{c.mu_rps:.3g}", f"{c.usd_per_hour / c.goodput_rps:.3g}")  # fmt: skip
     con = Console(width=max(120, Console().width))
     con.print(table)
+    if any(c.status == "at_ceiling" for c in result.front):
+        con.print("* passed even at the queueing bound mu: a run too short to fill the KV pool (raise --duration and "
+                  "--max-requests); the true goodput is at most mu")  # fmt: skip
     con.print(f"{n['candidates']} candidates: {n['infeasible']} infeasible, {n['pruned_by_model']} pruned by the "
               f"queueing model, {n['pruned_by_incumbent']} by the incumbent, {n['simulated_candidates']} simulated "
               f"({result.simulations} probes run, {result.cached} from the cache; {backend} backend)")  # fmt: skip
