@@ -2,8 +2,10 @@
 
 llama-13b on 8 x a100-80gb, Alpaca-like requests at a rate near the systems' SLO limit (1,000 req/s: the
 quick reproduction's max rates at SLO are 1.6-2k req/s over 1 s bursts); vLLM (8 colocated, least_loaded),
-DistServe (3P + 5D) and BanaServe (3P + 5D, store, load_aware, adaptive migration). CPU seconds are printed
-too: on a shared machine wall time is noisy, CPU time is the figure to compare.
+DistServe (3P + 5D), BanaServe as published (``banaserve-paper``: 3P + 5D, store, load_aware, layer- and
+attention-level migration), BanaServe with role flips (``banaserve``) and kvbalance (8 colocated, store,
+store_aware: the router keeps a prefix index per instance). CPU seconds are printed too: on a shared machine
+wall time is noisy, CPU time is the figure to compare.
 Run: .venv/bin/python benchmarks/bench_cluster.py [N] [WORKLOAD] [RATE]   (defaults 2000 alpaca 1000)
 """
 
@@ -20,7 +22,7 @@ from kvbalance.workloads.presets import build_requests
 
 def main(n: int = 2000, workload: str = "alpaca", rate: float = 1000.0) -> list[dict]:
     rows = []
-    for system in ("vllm", "distserve", "banaserve"):
+    for system in ("vllm", "distserve", "banaserve-paper", "banaserve", "kvbalance"):
         sim = SimulateConfig(model="llama-13b", gpu="a100-80gb", workload=workload, rate=rate, num_requests=n)
         reqs = build_requests(workload, n, rate, 0, 2048)
         cfg = system_config(system, 8, (3, 5, 1, 1))
