@@ -25,8 +25,8 @@ def two_gpus(monkeypatch):
 def test_reproduction_runs_every_system_and_writes_its_report(two_gpus, tmp_path):
     res = bana.run(tmp_path, quick=True)
     rows = json.loads((tmp_path / "results.json").read_text())
-    assert res["rows"] == len(rows) == len(SYSTEMS)
-    assert {r["system"] for r in rows} == set(SYSTEMS)
+    ran = set(SYSTEMS) - set(bana.SKIP["phases"])
+    assert res["rows"] == len(rows) == len(ran) and {r["system"] for r in rows} == ran
     for r in rows:
         assert r["max_rate_at_slo_rps"] > 0 and r["hot_spot_ratio"] >= 1 and r["config"]
         assert r["group"] == "phases" and r["workload"] == "phases-tiny"
