@@ -6,7 +6,11 @@ simulator's synthetic prompts), and reports CPU nanoseconds per block, the media
 with the algorithms alternated inside each round (so the shared machine's load falls on all of them alike).
 The list figures include the list -> int64 bytes conversion every hash pays.
 
-    .venv/bin/python benchmarks/bench_hashing.py [--repeats 7]
+Then (``--sim-requests``, 0 to skip) what the hash costs a whole simulation: the first N Mooncake requests
+(llama-2-7b on an A100-80GB, all at once) under sha256 and poly64, alternating for ``--sim-rounds`` rounds,
+CPU seconds of each run (the fastest of each is compared), and that the runs are identical.
+
+    .venv/bin/python benchmarks/bench_hashing.py [--repeats 7] [--sim-requests 2000] [--sim-rounds 4]
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ def cpu_name() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--sim-requests", type=int, default=2000)
+    ap.add_argument("--sim-rounds", type=int, default=4)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     arr = rng.integers(0, 50_000, NUM_TOKENS).astype(np.int64)
@@ -69,9 +75,37 @@ def main() -> None:
         print(
             f"{r['algo']:>8} {r['block_size']:>6} {r['input']:>6} {r['ns_per_block']:>9} {r['ns_per_token']:>9}"
         )
+    sim = simulate_cost(args.sim_requests, args.sim_rounds) if args.sim_requests else None
     dest = Path(__file__).parent / "results" / "security"
     dest.mkdir(parents=True, exist_ok=True)
-    (dest / "hashing.json").write_text(json.dumps({"cpu": cpu_name(), "rows": rows}, indent=2) + "\n")
+    out = {"cpu": cpu_name(), "rows": rows, "simulation": sim}
+    (dest / "hashing.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
+def simulate_cost(num_requests: int, rounds: int) -> dict:
+    from kvbalance.sim.config import SimulateConfig
+    from kvbalance.sim.run import run_simulation
+    from kvbalance.workloads.presets import default_traces_dir
+
+    path = default_traces_dir() / "mooncake_conversation_trace.jsonl"
+    if not path.is_file():
+        print(f"simulation: trace not found at {path} (set KVBALANCE_TRACES); skipped")
+        return {}
+    cpu: dict[str, list[float]] = {"sha256": [], "poly64": []}
+    results = set()
+    for r in range(rounds):
+        for algo in ("sha256", "poly64") if r % 2 == 0 else ("poly64", "sha256"):
+            cfg = SimulateConfig(model="llama-2-7b", gpu="a100-80gb", workload=f"mooncake:{path}",
+                                 num_requests=num_requests, rate=float("inf"), prefix_caching_hash_algo=algo)  # fmt: skip
+            t0 = time.process_time()
+            res = run_simulation(cfg)
+            cpu[algo].append(round(time.process_time() - t0, 3))
+            results.add((res.summary["prefix_hit_rate"], res.summary["makespan_s"]))
+    ratio = min(cpu["sha256"]) / min(cpu["poly64"])
+    print(f"simulation, first {num_requests} Mooncake requests: CPU s sha256 {cpu['sha256']}, poly64 {cpu['poly64']}; "
+          f"fastest sha256 / fastest poly64 = {ratio:.3f}; identical runs: {len(results) == 1}")  # fmt: skip
+    return {"num_requests": num_requests, "cpu_s": cpu, "ratio_sha256_over_poly64": round(ratio, 3),
+            "identical": len(results) == 1, "hit_rate_makespan": sorted(results)}  # fmt: skip
 
 
 if __name__ == "__main__":
