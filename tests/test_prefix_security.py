@@ -167,7 +167,7 @@ def test_smollm2_system_prompt_poisoning_is_refused():
     ]
     sp = SamplingParams(max_tokens=12, temperature=0.0)
 
-    def victim_answer(checked: bool, **kwargs) -> list[int]:
+    def victim_answer(checked: bool, **kwargs) -> tuple[list[int], str]:
         engine = LLMEngine("smollm2-135m", kv_cache_tokens=4096, num_threads=1, dtype="float32", **kwargs)
         if not checked:
             engine.instance.cache.verify_tokens = lambda node, n, tokens: (node, n)
@@ -179,12 +179,19 @@ def test_smollm2_system_prompt_poisoning_is_refused():
         for prompt in (planted, victim):
             req = engine.add_request(prompt, sp)
             engine.run_until_done()
-        return list(req.output_token_ids)
+        return list(req.output_token_ids), engine.tokenizer.decode(req.output_token_ids)
 
-    own = victim_answer(True, enable_prefix_caching=False)
-    assert victim_answer(True) == own
-    assert victim_answer(True, prefix_caching_hash_algo="poly64") == own
-    assert victim_answer(False, prefix_caching_hash_algo="poly64") != own
+    answers = {
+        "prefix caching off": victim_answer(True, enable_prefix_caching=False),
+        "sha256 (default)": victim_answer(True),
+        "poly64 + token check": victim_answer(True, prefix_caching_hash_algo="poly64"),
+        "poly64 unchecked (the old cache)": victim_answer(False, prefix_caching_hash_algo="poly64"),
+    }
+    for what, (_, text) in answers.items():  # shown with -s
+        print(f"{what}: {text!r}")
+    own = answers["prefix caching off"][0]
+    assert answers["sha256 (default)"][0] == own and answers["poly64 + token check"][0] == own
+    assert answers["poly64 unchecked (the old cache)"][0] != own
 
 
 @pytest.mark.parametrize("algo", ["sha256", "poly64"])
