@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("torch")
 httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")  # the server extra: the Batch answers are compared with the live server's
+pytest.importorskip("prometheus_client")
 
 from server_support import byte_tokenizer, live_server, make_engine  # noqa: E402
 

@@ -73,6 +73,7 @@ class DualScanAdmission:
         self.left, self.right = 0, len(self.seq) - 1
         self.live: list[list[int]] = [[], []]  # released, unfinished request indices per side
         self.used = [0.0, 0.0]
+        self.live_mem = [0.0, 0.0]  # memory seconds per step of each side's live memory-heavy requests
         self.credit = [PrefillBudget(), PrefillBudget()]
         self.released: list[int] = []  # release order (every request exactly once)
         self.split: tuple[float, float] = (0.0, 0.0)  # this step's M_L, M_R
@@ -103,12 +104,13 @@ class DualScanAdmission:
             if len(keep) != len(self.live[side]):
                 self.live[side] = keep
                 self.used[side] = float(self.foot[keep].sum()) if keep else 0.0
+                self.live_mem[side] = float(self.mem_per_step[keep].sum()) if keep else 0.0
         while self.warmup:
             self._release(instance, self.warmup.pop(0), now)
         if self.left > self.right:
             return
         budget = self.ends.split(self.left, self.right, self.rho_root, self.m_tokens)
-        live_mem = float(self.mem_per_step[self.live[0]].sum() + self.mem_per_step[self.live[1]].sum())
+        live_mem = self.live_mem[0] + self.live_mem[1]
         c = self.ends.budgets(self.left, self.right, budget, self.chunk_tokens, self.rho_root, live_mem)
         self.split, self.budgets = budget, c
         out = [0.0, 0.0]
@@ -117,14 +119,17 @@ class DualScanAdmission:
             while self.left <= self.right:
                 i = self.seq[self.left] if side == 0 else self.seq[self.right]
                 f = float(self.foot[i])
-                idle = not self.live[0] and not self.live[1]
-                first = not self.live[side] and budget[side] > 0  # a side with memory keeps one running
-                if not (idle or first):
-                    if self.used[side] + f > self._memory_cap(side, budget):
+                idle = (
+                    not self.live[0] and not self.live[1]
+                )  # nothing runs: start something, whatever the limits
+                first = not self.live[side] and budget[side] > 0  # a side with memory may always start one
+                if not idle:
+                    if not first and self.used[side] + f > self._memory_cap(side, budget):
                         break
                     if self.enforce_budgets and not self.credit[side].open:
                         break
                 self.used[side] += f
+                self.live_mem[side] += float(self.mem_per_step[i])
                 self.credit[side].spend(float(self.pc[i]))
                 out[side] += float(self.pc[i])
                 self.live[side].append(i)
@@ -137,13 +142,15 @@ class DualScanAdmission:
 
 
 class InBatchPrefixDefer:
-    """SGLang's in-batch prefix check, for every planner's engine: a waiting request whose leading block is
-    still being prefilled by a running request (or by one admitted ahead of it in this step), and that finds
-    fewer than ``min_cached_blocks`` of its blocks in the cache, sits out this step instead of computing the
-    same prefix again in the same batch (SGLang deprioritises requests sharing an in-batch prefix of 32+
-    tokens for one round). It is held out of the queue during the step and put back at its place after.
-    Without it a DFS order, which puts a prefix's requests side by side, admits a group together and shares
-    nothing within it. Only the first ``window`` waiting requests are examined per step.
+    """SGLang's in-batch prefix check, for every planner's engine: a waiting request whose first
+    ``min_cached_blocks`` blocks (32 tokens at block 16: SGLang's in-batch threshold) are still being
+    prefilled by a running request (or by one admitted ahead of it in this step), and that finds fewer than
+    that many of its blocks in the cache, sits out this step instead of computing the same prefix again in the
+    same batch (SGLang deprioritises requests sharing an in-batch prefix of 32+ tokens for one round). It is
+    held out of the queue during the step and put back at its place after. Without it a DFS order, which puts
+    a prefix's requests side by side, admits a group together and shares nothing within it. Only the first
+    ``window`` waiting requests are examined per step. A prefix shorter than the threshold is not a shared
+    prefix to this check (two requests whose first block alone is equal both run).
     """
 
     feeds = False
@@ -162,16 +169,18 @@ class InBatchPrefixDefer:
         if sched.cache is None or len(waiting) < 2:
             return
         kv, bs = sched.kv, sched.block_size
+        k = self.min_cached_blocks
+        span = k * bs  # the chained hash of block k - 1 names the first k blocks
         inflight = set()
         for r in sched.running:
-            if r.num_computed_tokens < r.num_prompt_tokens and r.num_prompt_tokens >= bs:
-                inflight.add(kv.block_hashes(r, bs)[0])
+            if r.num_computed_tokens < r.num_prompt_tokens and r.num_prompt_tokens >= span:
+                inflight.add(kv.block_hashes(r, span)[k - 1])
         head = [waiting.popleft() for _ in range(min(self.window, len(waiting)))]
         keep: list[Request] = []
         for r in head:
-            first = kv.block_hashes(r, bs)[0] if r.num_prompt_tokens >= bs else None
+            first = kv.block_hashes(r, span)[k - 1] if r.num_prompt_tokens >= span else None
             if first is not None and first in inflight and r.num_preemptions == 0:
-                if kv.get_computed_blocks(r).num_blocks < self.min_cached_blocks:
+                if kv.get_computed_blocks(r).num_blocks < k:
                     self._held.append(r)
                     continue
             keep.append(r)

@@ -107,10 +107,26 @@ class ScanEnds:
 
     def __init__(self, comp: np.ndarray, mem: np.ndarray, pc: np.ndarray, d: np.ndarray) -> None:
         self.comp, self.mem, self.pc, self.d = comp, mem, pc, d
+        self._stats: dict[tuple[int, int], tuple[float, float, float, float, float]] = {}
+
+    def _window(self, lo: int, hi: int) -> tuple[float, float, float, float, float]:
+        """(density, mean computed prompt, mean output, sum computed prompt, sum eff_comp) of [lo, hi),
+        memoised: a scan asks for the same windows every step until an end moves."""
+        key = (lo, hi)
+        st = self._stats.get(key)
+        if st is None:
+            if len(self._stats) > 64:
+                self._stats.clear()
+            m = float(self.mem[lo:hi].sum())
+            c = float(self.comp[lo:hi].sum())
+            ptot = float(self.pc[lo:hi].sum())
+            k = max(hi - lo, 1)
+            st = (c / m if m > 0 else float("inf"), ptot / k, float(self.d[lo:hi].sum()) / k, ptot, c)
+            self._stats[key] = st
+        return st
 
     def _density(self, lo: int, hi: int) -> float:
-        m = self.mem[lo:hi].sum()
-        return float(self.comp[lo:hi].sum() / m) if m > 0 else float("inf")
+        return self._window(lo, hi)[0]
 
     def windows(self, left: int, right: int) -> tuple[tuple[int, int], tuple[int, int]]:
         return (left, min(left + WINDOW, right + 1)), (max(right + 1 - WINDOW, left), right + 1)
@@ -128,19 +144,19 @@ class ScanEnds:
         rho_root: float = 0.0,
         live_mem_step_s: float = 0.0,
     ) -> tuple[int, int]:
-        """(C_L, C_R) from the split (``step_budgets``). Where the split gives one side everything because
-        both ends are compute-heavy (the memory-heavy requests are all admitted, some still running), that
-        side's budget is capped at the rate that keeps each step at the job's density against the memory
-        work still running (``balance_budget``): the compute is spread over the running requests' decode
-        steps instead of being spent at once and leaving them a tail of memory-only steps."""
-        wins = self.windows(left, right)
-        means = tuple((float(self.pc[lo:hi].mean()), float(self.d[lo:hi].mean())) for lo, hi in wins)
-        c = list(step_budgets(m_split, means, chunk_tokens))
-        if live_mem_step_s > 0:
-            for side, (lo, hi) in enumerate(wins):
-                if m_split[1 - side] <= 0 < m_split[side] and self._density(lo, hi) > rho_root:
-                    tokens, comp = float(self.pc[lo:hi].sum()), float(self.comp[lo:hi].sum())
-                    c[side] = min(c[side], balance_budget(rho_root, live_mem_step_s, tokens, comp))
+        """(C_L, C_R) from the split (``step_budgets``). Where both ends are compute-heavy (the memory-heavy
+        requests are all admitted, some still running), the split has nothing to balance and the two budgets
+        together are capped at the rate that keeps each step at the job's density against the memory work
+        still running (``balance_budget``): the compute is spread over the running requests' decode steps
+        instead of being spent at once and leaving them a tail of memory-only steps."""
+        stats = [self._window(lo, hi) for lo, hi in self.windows(left, right)]
+        c = list(step_budgets(m_split, tuple((st[1], st[2]) for st in stats), chunk_tokens))
+        if live_mem_step_s > 0 and stats[0][0] > rho_root and stats[1][0] > rho_root:
+            tokens, comp = stats[0][3] + stats[1][3], stats[0][4] + stats[1][4]
+            cap = balance_budget(rho_root, live_mem_step_s, tokens, comp)
+            total = c[0] + c[1]
+            if total > cap:
+                c = [int(math.ceil(x * cap / total)) if x else 0 for x in c]
         return c[0], c[1]
 
 
@@ -174,7 +190,7 @@ def dual_scan(
     computes (default: its whole prompt), which is what the prefill budgets spend. Each step a side admits
     while its KV share M_L / M_R has room and its prefill budget C_L / C_R has credit (``enforce_budgets``;
     False: memory alone, the engine's chunk budget serving every prefill); a side with nothing running may
-    always start one request, and so may anyone when nothing runs at all.
+    start one request past its memory share (not past its budget), and anyone may when nothing runs at all.
     """
     n = len(seq)
     seq = list(seq)
@@ -219,9 +235,9 @@ def dual_scan(
                 foot = p[i] + d[i] / 2
                 idle = live[0] + live[1] == 0
                 starter = live[side] == 0 and budget[side] > 0
-                if not idle and not starter:
+                if not idle:
                     cap = max(budget[0], m_tokens - used[1]) if side == 0 else budget[1]
-                    if used[side] + foot > cap:
+                    if not starter and used[side] + foot > cap:
                         break
                     if enforce_budgets and not credit[side].open:
                         credit_bound = True

@@ -16,25 +16,25 @@ PAPER = {
     "dp": "DP 4: 3.78-3.88x",
 }
 
-
 NOTES = [
-    "## Why these numbers differ from the paper's",
+    "## Reading these numbers",
     "",
-    "- Job size. The paper plans 400k requests; these jobs have 10^3-10^4 (the simulator runs about 10^5 "
-    "tokens per wall second). A memory-heavy request needs thousands of output tokens (density < 1 needs "
-    "d > ~2.7K on llama-3.1-8b / A100), and its decode is a serial chain of d steps that no order shortens "
-    "(`chain_bound_s`). In a small job that chain is a large part of the makespan, so every planner ends near "
-    "it and the ratios between planners shrink toward 1; `optimal_fraction` (against T_opt, which ignores "
-    "the chain and the weight reads of every step) is far below 86.6%.",
-    "- Prefix cache vs prefixes. The shared prefixes (system prompts, 5-shot prefixes: hundreds of tokens) are "
-    "small next to the KV pool (~460k tokens on 8B / A100-80GB), so LRU keeps them and input-order planners "
-    "lose little sharing; DFS order's sharing advantage is small here.",
-    "- One engine for all. `vllm-dfs` and `sglang-dfs` share the scheduler and cost model, so their rows are "
-    "equal; every planner's engine has the SGLang-style in-batch prefix check (a group's requests do not "
-    "prefill one uncached prefix together). `sglang-lpm` is FCFS until 128 requests remain (SGLang's "
-    "fallback), so on an offline job it is close to `fcfs`.",
-    "- Overlap mode uses an unfitted interference factor of 1.10 (`perf/overlap.py`); the NanoFlow-vs-vLLM "
-    "gap scales with it.",
+    "- Yardsticks. `ideal_fraction` is against the ideal bound max((1 - s_opt) T_comp, T_mem) (saturated "
+    "kernels, no weight reads per step, no host time: the bound the paper calls impractical). "
+    "`optimal_fraction` is against the practical optimum: the job as N identical, perfectly blended steps "
+    "at the largest decode batch the KV memory holds, timed by the same overlap step model (`offline/optimum.py`).",
+    "- Job size. A memory-heavy OpenVid request decodes 8K-24K tokens one step at a time: a serial chain no order "
+    "shortens (`chain_bound_s`). In a small job that chain is a large part of the makespan and every planner "
+    "ends near it, so the ratios between planners shrink toward 1; the `size` rows show the gain growing with "
+    "the job.",
+    "- One engine for all. Every planner runs on the same scheduler and cost model, with an SGLang-style in-batch "
+    "prefix check (requests sharing 32+ uncached tokens do not prefill together); `sglang-lpm` is FCFS until 128 "
+    "requests remain (SGLang's fallback); `vllm-dfs` stands for vLLM and SGLang in DFS order (their rows would "
+    "be equal here by construction).",
+    "- Host time. Rows pay the default engine profile's host time (`engine_profile`); the `no-host` rows count "
+    "GPU time only, as the paper does for every system.",
+    "- Interference. Overlap mode multiplies the busier resource's time by f (`perf/overlap.py`); the "
+    "`interference` rows show how the gain moves with f.",
     "",
 ]
 
@@ -42,6 +42,8 @@ NOTES = [
 def _fmt(x, digits: int = 3) -> str:
     if x is None:
         return "-"
+    if isinstance(x, bool):
+        return str(x)
     if isinstance(x, float):
         return f"{x:.{digits}f}" if abs(x) < 1e5 else f"{x:.3g}"
     return str(x)
@@ -54,11 +56,49 @@ def _table(rows: list[dict], cols: list[str]) -> list[str]:
     return out
 
 
-def _ratio(rows: list[dict], trace: str, a: str, b: str, experiment: str = "main") -> float | None:
-    by = {r["planner"]: r for r in rows if r.get("experiment") == experiment and r["trace"] == trace}
-    if a in by and b in by:
-        return by[a]["throughput_tokens_per_s"] / by[b]["throughput_tokens_per_s"]
-    return None
+def _by(rows: list[dict], **match) -> dict[str, dict]:
+    return {r["planner"]: r for r in rows if all(r.get(k) == v for k, v in match.items())}
+
+
+def ratio_rows(rows: list[dict]) -> list[dict]:
+    """Per (trace, size): blendserve over each baseline, its shares of the yardsticks and of DFS sharing,
+    and the no-host-time ratio where it was run."""
+    out = []
+    keys = sorted(
+        {(r["trace"], r["num_requests"]) for r in rows if r["experiment"] in ("main", "size")},
+        key=lambda k: (k[0], k[1]),
+    )
+    for trace, n in keys:
+        cur = [r for r in rows if r["experiment"] in ("main", "size") and r["trace"] == trace]
+        by = _by(cur, num_requests=n, variant="default")
+        if "blendserve" not in by:
+            continue
+        b = by["blendserve"]
+        row = {
+            "trace": trace,
+            "num_requests": n,
+            "num_videos": b.get("num_videos"),
+            "blendserve_tok_s": b["throughput_tokens_per_s"],
+            "optimal_fraction": b["optimal_fraction"],
+            "ideal_fraction": b["ideal_fraction"],
+            "step_imbalance": b.get("step_imbalance"),
+        }
+        for base in ("nanoflow-dfs", "vllm-dfs", "sglang-lpm", "nanoflow-balance"):
+            if base in by:
+                row[f"vs_{base}"] = b["throughput_tokens_per_s"] / by[base]["throughput_tokens_per_s"]
+        dfs = by.get("vllm-dfs") or by.get("nanoflow-dfs")
+        if dfs and dfs["sharing_ratio"] > 0:
+            row["sharing_vs_dfs"] = b["sharing_ratio"] / dfs["sharing_ratio"]
+        if "nanoflow-dfs" in by:
+            row["nanoflow_dfs_optimal_fraction"] = by["nanoflow-dfs"]["optimal_fraction"]
+        nh = _by([r for r in rows if r["experiment"] == "no-host"], trace=trace, num_requests=n)
+        if "blendserve" in nh and "nanoflow-dfs" in nh:
+            row["vs_nanoflow-dfs_no_host"] = (
+                nh["blendserve"]["throughput_tokens_per_s"] / nh["nanoflow-dfs"]["throughput_tokens_per_s"]
+            )
+            row["optimal_fraction_no_host"] = nh["blendserve"]["optimal_fraction"]
+        out.append(row)
+    return out
 
 
 def write_readme(path: Path, rows: list[dict], scale, quick: bool) -> None:
@@ -66,77 +106,115 @@ def write_readme(path: Path, rows: list[dict], scale, quick: bool) -> None:
     cols = [
         "trace",
         "planner",
+        "variant",
         "mode",
         "throughput_tokens_per_s",
         "makespan_s",
         "sharing_ratio",
         "optimal_fraction",
+        "ideal_fraction",
+        "step_imbalance",
         "chain_bound_s",
-        "bound_fraction",
     ]
+    size_note = f"{scale.num_requests} requests per trace" + (
+        " (--quick: the paper uses 400,000)"
+        if quick or scale.num_requests < 400_000
+        else " (the paper's size)"
+    )
+    engines = sorted({str(r.get("engine_profile")) for r in rows if r.get("host_time", True)})
     lines = [
         f"# BlendServe reproduction ({'quick' if quick else 'full'})",
         "",
-        f"Simulated (cost model) llama-3.1-8b on one a100-80gb, {scale.num_requests} requests per trace "
-        f"(video outputs {scale.video_output_mean_tokens} tokens on average; the paper: 400k requests, 16K). "
-        "Throughput = (input + output tokens) / makespan; optimal_fraction = T_opt / makespan with "
-        "T_opt = max((1 - s_opt) T_comp, T_mem); chain_bound_s = the longest request's own serial decode "
-        "(no order beats it); bound_fraction = max(T_opt, chain bound) / makespan.",
+        f"Simulated (cost model) llama-3.1-8b on one a100-80gb, the paper's four traces, {size_note}; host time "
+        f"of the engine profile {', '.join(engines) or '-'} (the `no-host` rows: GPU time only). Throughput = "
+        "(input + output tokens) / makespan.",
         "",
-        "## Main result",
+        "## BlendServe against the baselines (per trace and job size)",
+        "",
+        *_table(
+            ratio_rows(rows),
+            [
+                "trace",
+                "num_requests",
+                "num_videos",
+                "vs_nanoflow-dfs",
+                "vs_vllm-dfs",
+                "vs_sglang-lpm",
+                "vs_nanoflow-balance",
+                "vs_nanoflow-dfs_no_host",
+                "optimal_fraction",
+                "optimal_fraction_no_host",
+                "nanoflow_dfs_optimal_fraction",
+                "ideal_fraction",
+                "sharing_vs_dfs",
+                "step_imbalance",
+            ],
+        ),
+        "",
+        f"Paper: {PAPER['vs_nanoflow_dfs_8b']}; {PAPER['vs_dfs_sequential']}; {PAPER['optimal']}; "
+        f"{PAPER['sharing']}.",
+        "",
+        "## Main result, every row",
         "",
         *_table(main, cols),
-        "",
-        "## Ratios beside the paper",
-        "",
-        "| trace | blendserve / nanoflow-dfs | blendserve / vllm-dfs | blendserve / sglang-lpm | "
-        "blendserve sharing / DFS sharing | paper |",
-        "|---|---|---|---|---|---|",
     ]
-    for trace in sorted({r["trace"] for r in main}):
-        by = {r["planner"]: r for r in main if r["trace"] == trace}
-        share = by["blendserve"]["sharing_ratio"] / max(by["vllm-dfs"]["sharing_ratio"], 1e-12)
-        lines.append(
-            f"| {trace} | {_fmt(_ratio(rows, trace, 'blendserve', 'nanoflow-dfs'))} | "
-            f"{_fmt(_ratio(rows, trace, 'blendserve', 'vllm-dfs'))} | "
-            f"{_fmt(_ratio(rows, trace, 'blendserve', 'sglang-lpm'))} | {_fmt(share)} | "
-            f"{PAPER['vs_nanoflow_dfs_8b']}; {PAPER['vs_dfs_sequential']}; {PAPER['sharing']} |"
-        )
-    r70 = [r for r in rows if r["experiment"] == "70b-tp8"]
+    for exp, title, extra_cols in (
+        ("no-host", "GPU time only (the paper's accounting)", []),
+        ("interference", "Interference factor f (trace #1)", ["interference_factor"]),
+        ("70b-tp8", "llama-3.1-70b, TP 8 on 8 x a100-80gb (trace #1)", []),
+    ):
+        sub = [r for r in rows if r["experiment"] == exp]
+        if sub:
+            lines += ["", f"## {title}", "", *_table(sub, ["trace", "num_requests", *extra_cols, *cols[1:]])]
+            if exp == "interference":
+                lines += ["", *_interference_lines(sub)]
+            if exp == "70b-tp8":
+                lines += ["", f"Paper: {PAPER['vs_nanoflow_dfs_70b']}."]
     dp = [r for r in rows if r["experiment"] == "data-parallel"]
+    if dp:
+        lines += [
+            "",
+            "## Data parallelism (blendserve, trace #1; balanced subtrees, each replica re-planned)",
+            "",
+            *_table(
+                dp, ["data_parallel", "throughput_tokens_per_s", "makespan_s", "speedup", "optimal_fraction"]
+            ),
+            "",
+            f"Paper: {PAPER['dp']}.",
+        ]
     grid = [r for r in rows if r["experiment"] == "grid"]
-    lines += [
-        "",
-        f"Paper: {PAPER['optimal']}.",
-        "",
-        "## llama-3.1-70b, TP 8 on 8 x a100-80gb",
-        "",
-        *_table(r70, cols),
-        "",
-        f"Paper: {PAPER['vs_nanoflow_dfs_70b']}; {PAPER['optimal']}.",
-        "",
-        "## Data parallelism (blendserve, trace1; balanced subtrees, one per replica)",
-        "",
-        *_table(
-            dp, ["data_parallel", "throughput_tokens_per_s", "makespan_s", "speedup", "optimal_fraction"]
-        ),
-        "",
-        f"Paper: {PAPER['dp']}.",
-        "",
-        "## Density x sharing grid (blendserve vs nanoflow-dfs)",
-        "",
-        *_table(
-            grid,
-            ["target_density", "target_sharing", "planner", "throughput_tokens_per_s", "optimal_fraction"],
-        ),
-        "",
-        "![grid](grid_heatmap.png)",
-        "",
-        "![utilisation](utilisation.png)",
-        "",
-        *NOTES,
-    ]
+    if grid:
+        lines += [
+            "",
+            "## Density x sharing grid (blendserve vs nanoflow-dfs)",
+            "",
+            *_table(
+                grid,
+                [
+                    "target_density",
+                    "target_sharing",
+                    "planner",
+                    "throughput_tokens_per_s",
+                    "optimal_fraction",
+                ],
+            ),
+            "",
+            "![grid](grid_heatmap.png)",
+        ]
+    lines += ["", "![utilisation](utilisation.png)", "", *NOTES]
     path.write_text("\n".join(lines))
+
+
+def _interference_lines(sub: list[dict]) -> list[str]:
+    out = ["| f | blendserve / nanoflow-dfs |", "|---|---|"]
+    for f in sorted({r["interference_factor"] for r in sub}):
+        by = _by(sub, interference_factor=f)
+        if "blendserve" in by and "nanoflow-dfs" in by:
+            out.append(
+                f"| {f:.2f} | "
+                f"{by['blendserve']['throughput_tokens_per_s'] / by['nanoflow-dfs']['throughput_tokens_per_s']:.3f} |"
+            )
+    return out
 
 
 def write_grid_heatmap(path: Path, rows: list[dict]) -> None:
@@ -192,5 +270,5 @@ def write_utilisation_plot(path: Path, results: dict) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
-    axes[0].set_title("trace1, llama-3.1-8b / a100-80gb")
+    axes[0].set_title("trace #1, llama-3.1-8b / a100-80gb")
     fig.savefig(path, dpi=100)

@@ -269,9 +269,12 @@ def simulate_ranks(
     ctx: PlanContext,
     engine: OfflineEngineConfig | None,
     n: int,
+    planner=None,
 ) -> dict:
     """Data parallelism: ``plan.ranks(n)`` on ``n`` replicas, each its own instance from time 0. Makespan is
-    the slowest replica's; the yardsticks are the job's / n; throughput counts every replica's tokens."""
+    the slowest replica's; the yardsticks are the job's / n; throughput counts every replica's tokens.
+    ``planner`` (a planner object) re-plans each rank's requests on their own, live admission included (a
+    feeding admission is planned over the whole job); without it a rank follows its slice of the order."""
     ys = job_yardsticks(requests, ctx, engine)
     per_rank = JobYardsticks(ys.ideal_bound_s / n, ys.practical_optimum_s / n, ys.dfs_sharing)
     results = []
@@ -279,9 +282,12 @@ def simulate_ranks(
         if not rank:
             continue
         sub = [requests[i] for i in rank]
-        # a feeding admission is planned over the whole job: a rank follows its own static order instead
-        adm = None if getattr(plan.admission, "feeds", False) else plan.admission
-        sub_plan = OfflinePlan(plan.planner, list(range(len(sub))), mode=plan.mode, admission=adm)
+        if planner is not None:
+            sub_plan = planner.plan(sub, ctx)
+        else:
+            # a feeding admission is planned over the whole job: a rank follows its own static order instead
+            adm = None if getattr(plan.admission, "feeds", False) else plan.admission
+            sub_plan = OfflinePlan(plan.planner, list(range(len(sub))), mode=plan.mode, admission=adm)
         results.append(simulate_plan(sub, sub_plan, ctx, engine, yardsticks=per_rank))
     makespan = max(r.makespan_s for r in results)
     tokens = sum(r.input_tokens + r.output_tokens for r in results)
