@@ -111,21 +111,21 @@ def _settings() -> list[Setting]:
     def paper(model: str, quick: bool) -> list[Setting]:
         out = []
         for arr in ARRIVALS:
-            out.append(Setting("paper", "alpaca", "alpaca", arr, model, 0.25, 0.1, (1.0, 5.0), (100, 8000), 256.0,
+            out.append(Setting("paper", "alpaca", "alpaca", arr, model, 0.25, 0.1, (1.0, 2.0), (100, 4000), 256.0,
                                quick))  # fmt: skip
-            out.append(Setting("paper", "longbench", "longbench", arr, model, 1.5, 0.1, (8.0, 30.0), (40, 1000), 8.0,
+            out.append(Setting("paper", "longbench", "longbench", arr, model, 1.5, 0.1, (8.0, 16.0), (40, 1000), 8.0,
                                quick))  # fmt: skip
         return out
 
     out = paper("llama-13b", True)
     out += [
-        Setting("reuse", "docqa-zipf", "docqa-zipf", "poisson", "llama-13b", 0.5, 0.1, (10.0, 20.0), (100, 4000), 64.0),
-        Setting("reuse", "docqa-uniform", "docqa-uniform", "poisson", "llama-13b", 0.5, 0.1, (10.0, 20.0), (100, 4000),
+        Setting("reuse", "docqa-zipf", "docqa-zipf", "poisson", "llama-13b", 0.5, 0.1, (10.0, 15.0), (100, 4000), 64.0),
+        Setting("reuse", "docqa-uniform", "docqa-uniform", "poisson", "llama-13b", 0.5, 0.1, (10.0, 15.0), (100, 4000),
                 64.0),
-        Setting("reuse", "docqa-large", "docqa-large", "poisson", "llama-13b", 0.5, 0.1, (10.0, 20.0), (100, 4000),
+        Setting("reuse", "docqa-large", "docqa-large", "poisson", "llama-13b", 0.5, 0.1, (10.0, 15.0), (100, 4000),
                 32.0, quick=False),
-        Setting("reuse", "chat", "chat", "poisson", "llama-13b", 1.0, 0.1, (20.0, 40.0), (100, 4000), 16.0),
-        Setting("reuse", "mooncake", "mooncake", "poisson", "llama-3.1-8b", 5.0, 0.1, (60.0, 90.0), (50, 1500), 4.0,
+        Setting("reuse", "chat", "chat", "poisson", "llama-13b", 1.0, 0.1, (20.0, 30.0), (100, 4000), 16.0),
+        Setting("reuse", "mooncake", "mooncake", "poisson", "llama-3.1-8b", 5.0, 0.1, (60.0, 60.0), (50, 1500), 4.0,
                 quick=False),
         Setting("phases", "phases-15", PHASES.format(15), "poisson", "llama-13b", 1.0, 0.1, (60.0, 60.0),
                 (100, 6000), 32.0),
