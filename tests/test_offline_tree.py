@@ -141,3 +141,21 @@ def test_splitting_makes_leaf_densities_non_increasing_when_cheap():
     tree2 = PrefixTree.from_requests(reqs, BS)
     stats2 = sort_and_split(tree2, d, K, keep_sharing=0.99)
     assert stats2.num_splits == 0 and not stats2.monotone
+
+
+def test_leaf_density_amortises_each_shared_edge_over_its_subtree_by_hand():
+    reqs = _job()
+    tree = PrefixTree.from_requests(reqs, BS)
+    d = budget_lens(reqs)
+    tree.annotate(d, K)
+    p = np.array([r.num_prompt_tokens for r in reqs], dtype=float)
+    # r0: group a's 3 blocks split over r0..r2, then its own 5 tokens; r1, r2: a's share, the 4th block
+    # split over the two of them, then their own tokens past it; r3, r4: group b's 2 blocks halved; r5: alone
+    a, ab, b = 3 * BS / 3, 1 * BS / 2, 2 * BS / 2
+    own = [p[0] - 3 * BS, p[1] - 4 * BS, p[2] - 4 * BS, p[3] - 2 * BS, p[4] - 2 * BS, p[5]]
+    expect = np.array([a + own[0], a + ab + own[1], a + ab + own[2], b + own[3], b + own[4], own[5]])
+    assert tree.amortised_tokens == pytest.approx(expect)
+    assert tree.amortised_tokens.sum() == pytest.approx(tree.root.computed_tokens)  # the shares add up
+    rho = comp_s(p, d, K) / mem_s(p, d, K)
+    assert tree.leaf_density == pytest.approx(expect / p * rho)
+    assert tree.leaf_density[0] < rho[0] and tree.leaf_density[5] == pytest.approx(rho[5])
