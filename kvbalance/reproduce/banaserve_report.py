@@ -71,6 +71,20 @@ def ratios(group: list[dict]) -> dict[str, float | None]:
     return out
 
 
+def decision_counts(trace: dict | None) -> dict[str, int]:
+    """How often the controller took each decision or skipped for each reason (numbers stripped)."""
+    import re
+
+    out: dict[str, int] = {}
+    for action, reason in zip((trace or {}).get("action", []), (trace or {}).get("reason", [])):
+        key = (
+            action if action != "none" else re.sub(r"\s*\(.*?\)|[-0-9.]+( -> [-0-9.]+)?", "", reason).strip()
+        )
+        key = key.rstrip(": ")
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def _method(meta: dict) -> str:
     sizes = meta.get("sizes") or {}
     return (
@@ -123,6 +137,11 @@ def write_readme(out: Path, rows: list[dict], meta: dict) -> None:
                 lines.append("| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |")
         rat = ratios(group)
         lines += ["", "Ratios: " + ", ".join(f"{k} {_fmt(v)}" for k, v in rat.items()), ""]
+        for r in group:
+            if r.get("controller_trace"):
+                counts = decision_counts(r["controller_trace"])
+                lines += [f"Controller of `{r['system']}` at vLLM's max rate, per 0.5 s tick: "
+                          + ", ".join(f"{k}: {v}" for k, v in counts.items()) + ".", ""]  # fmt: skip
         if note.get("per_phase"):
             lines += ["Max rate at SLO over each phase's requests alone (prefill-heavy, decode-heavy): "
                       + "; ".join(f"{k} {_fmt(v)}" for k, v in note["per_phase"].items())
