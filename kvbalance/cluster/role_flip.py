@@ -14,7 +14,7 @@ Signals, per role, from the monitor's window and the instances' queues (``RoleSi
   them) over the TTFT SLO, the share of the TTFT budget a new request already waits for;
   ``prefill_util``: their operator-time utilisation plus that queue over the window (mean; > 1 falls behind);
 - decode pressure ``decode_util``: mean over decode instances of max(KV occupancy, the occupancy their
-  requests will average from now on, mean step time / TPOT SLO): a decode instance is busy whenever it holds requests, so busy time says
+  requests will average from now on, mean step time / TPOT SLO, requests over batch slots): a decode instance is busy whenever it holds requests, so busy time says
   nothing; its step time against the TPOT budget and its memory do.
 
 Decision (``decide``), after ``cooldown_s`` since the last flip, with BanaServe's objective (minimise the
