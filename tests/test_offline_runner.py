@@ -348,3 +348,27 @@ def test_request_the_engine_drops_mid_run_still_gets_a_line(job, tmp_path):
     assert first["custom_id"] == "t0" and first["response"]["status_code"] == 500
     assert first["response"]["body"]["error"]["message"].startswith("engine: ")
     assert s.num_generated == 16 and s.num_lines == len(job.read_text().splitlines())
+
+
+def test_progress_goes_to_a_log_as_lines_when_stderr_is_not_a_terminal(job, tmp_path, capsys):
+    run_batch(job, tmp_path / "out.jsonl", LocalBackend(make_engine()), progress=True, progress_every=5)
+    err = capsys.readouterr().err.splitlines()
+    lines = [s for s in err if s.startswith("batch: ")]
+    assert lines[0].startswith("batch: ") and "/21 lines started" in lines[0]  # bad lines are answered first
+    counts = [int(s.split()[1].split("/")[0]) for s in lines]
+    assert counts == sorted(counts) and counts[-1] == 21 and "done" in lines[-1]
+    assert len(lines) >= 4  # a line per 5 answered lines (several may land in one step), then the last
+    assert all("lines/s" in s for s in lines)
+
+
+def test_cli_run_announces_the_model_load_before_the_first_line(tmp_path, capsys):
+    path = tmp_path / "in.jsonl"
+    path.write_text(_req("r0", "/v1/completions", prompt=[1, 2, 3], max_tokens=2, temperature=0) + "\n")
+    argv = ["offline", "run", str(path), "--output", str(tmp_path / "out.jsonl"), "--model", "tiny-llama"]
+    assert main([*argv, "--kv-cache-tokens", "1024", "--num-threads", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("kvbalance offline: loading tiny-llama")
+    assert err[1].startswith("kvbalance offline: model loaded in ")
+    assert err[2].startswith("batch: 0/1 lines started") and "done" in err[-1]
+    assert main([*argv, "--progress-every", "0"]) == 2
+    assert "progress-every: must be >= 1" in capsys.readouterr().err

@@ -13,6 +13,8 @@ Ray actors. Both hand out :class:`BatchWorker` results, so the outputs do not de
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,8 +58,10 @@ def run_batch(
     *,
     planner: str = "fcfs",
     progress: bool = True,
+    progress_every: int | None = None,
 ) -> BatchRunSummary:
-    """Run (or resume) one Batch job; returns what was done. See the module docstring."""
+    """Run (or resume) one Batch job; returns what was done. See the module docstring. ``progress_every``:
+    lines between progress lines when the progress does not go to a terminal (default: a twentieth)."""
     try:
         info = backend.info()
         inp = read_batch_input(input_path, served_model=info.model)
@@ -72,19 +76,19 @@ def run_batch(
             output=str(out.path),
         )
         if not state.complete:
-            _run_job(inp, out, dict(state.done), backend, info, planner, progress, summary)
+            _run_job(inp, out, dict(state.done), backend, info, planner, progress, summary, progress_every)
         return summary
     finally:
         backend.close()
 
 
 def _run_job(
-    inp, out, records: dict, backend: Backend, info: ReplicaInfo, planner, progress, summary
+    inp, out, records: dict, backend: Backend, info: ReplicaInfo, planner, progress, summary, every=None
 ) -> None:
     """Answer what needs no engine, plan the rest, generate it; journal as requests finish, then finalize."""
     try:
         todo = _static_records(inp, backend, records, summary)
-        with _progress_bar(progress, len(inp.items), len(records)) as advance:
+        with _progress_bar(progress, len(inp.items), len(records), every) as advance:
 
             def write(batch: Records) -> None:
                 out.append(batch)
@@ -136,16 +140,35 @@ def _run(backend: Backend, prepared: list[PreparedRequest], write) -> list[int]:
     return [lengths.get(p.item.index, 0) for p in prepared]
 
 
-class _progress_bar:
-    """A rich progress bar over input lines (answered lines count); a no-op when disabled."""
+def log(msg: str) -> None:
+    """A status line on stderr (where the progress goes), flushed at once so a log file shows it."""
+    print(f"kvbalance offline: {msg}", file=sys.stderr, flush=True)
 
-    def __init__(self, enabled: bool, total: int, completed: int) -> None:
+
+class _progress_bar:
+    """Progress over input lines (answered lines count): a rich bar on a terminal; elsewhere (a log file, a
+    pipe) one line every ``every`` lines (default: a twentieth of the job) and one at the end, each with the
+    count, the rate and the time left. A no-op when disabled."""
+
+    def __init__(
+        self, enabled: bool, total: int, completed: int, every: int | None = None, stream=None
+    ) -> None:
         self.enabled, self.total, self.completed = enabled, total, completed
+        self.stream = stream if stream is not None else sys.stderr
+        self.every = every if every is not None else max(1, total // 20)
         self._bar = None
+        self._t0 = 0.0
+        self._start = completed
+        self._next = 0
 
     def __enter__(self):
         if not self.enabled:
             return lambda n: None
+        if not self.stream.isatty():
+            self._t0 = time.perf_counter()
+            self._next = self.completed + self.every
+            self._line("started")
+            return self._advance_lines
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
         self._bar = Progress("batch", BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
@@ -153,9 +176,28 @@ class _progress_bar:
         task = self._bar.add_task("batch", total=self.total, completed=self.completed)
         return lambda n: self._bar.advance(task, n)
 
+    def _line(self, what: str) -> None:
+        done, dt = self.completed - self._start, time.perf_counter() - self._t0
+        rate = done / dt if dt > 0 else 0.0
+        left = f", {(self.total - self.completed) / rate:.0f} s left" if rate > 0 and done else ""
+        print(
+            f"batch: {self.completed}/{self.total} lines {what} ({dt:.0f} s, {rate:.2f} lines/s{left})",
+            file=self.stream,
+            flush=True,
+        )
+
+    def _advance_lines(self, n: int) -> None:
+        self.completed += n
+        if self.completed >= self._next and self.completed < self.total:
+            self._line("answered")
+            while self._next <= self.completed:
+                self._next += self.every
+
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.stop()
+        elif self.enabled and not self.stream.isatty():
+            self._line("answered, done" if exc[0] is None else "answered before the run stopped")
 
 
 # -- planning -------------------------------------------------------------------------------------------
@@ -281,6 +323,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, positional_input: bool
     add("--dtype", default="auto", choices=DTYPE_CHOICES, help="weights and KV (auto: as LLMEngine)")
     add("--seed", type=int, default=0, help="random-weight seed for model presets")
     add("--no-progress", action="store_true", help="no progress bar")
+    add(
+        "--progress-every",
+        type=int,
+        default=None,
+        help="lines between progress lines when stderr is not a terminal (default: a twentieth of the job)",
+    )
 
 
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
@@ -317,13 +365,29 @@ def run_command(args: argparse.Namespace) -> int:
     read_batch_input(args.input)  # a missing input or unknown planner fails before any model is loaded
     check_planner(args.planner)
     spec = engine_spec(args)
+    if args.progress_every is not None and args.progress_every < 1:
+        raise ValueError(f"progress-every: must be >= 1, got {args.progress_every}")
+    quiet = args.no_progress
+    t0 = time.perf_counter()
+    if not quiet:
+        replicas = f"{args.data_parallel} replicas of " if args.data_parallel > 1 else ""
+        log(f"loading {replicas}{spec.model} (dtype {spec.dtype}, {spec.kv_cache_tokens} KV tokens) ...")
     if args.data_parallel > 1:
         from kvbalance.offline.ray_runner import RayBackend
 
         backend = RayBackend(spec, args.data_parallel, address=args.ray_address, num_cpus=args.num_cpus)
     else:
         backend = LocalBackend(spec)
-    s = run_batch(args.input, args.output, backend, planner=args.planner, progress=not args.no_progress)
+    if not quiet:
+        log(f"model loaded in {time.perf_counter() - t0:.1f} s")
+    s = run_batch(
+        args.input,
+        args.output,
+        backend,
+        planner=args.planner,
+        progress=not quiet,
+        progress_every=args.progress_every,
+    )
     if s.already_complete:
         print(f"{s.output}: already complete ({s.num_lines} lines); nothing to do")
         return 0
