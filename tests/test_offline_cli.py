@@ -81,3 +81,17 @@ def test_run_rejects_unknown_planner_and_gpu(batch_file, capsys):
     assert "planner: unknown 'magic'" in capsys.readouterr().err
     assert main(["offline", "run", str(batch_file), "--simulate", "--gpu", "tpu9"]) == 2
     assert "gpu" in capsys.readouterr().err
+
+
+def test_run_simulate_without_host_time_counts_gpu_time_only(batch_file, capsys):
+    argv = ["offline", "run", str(batch_file), "--simulate", "--planner", "nanoflow-dfs", "--json"]
+    assert main(argv) == 0
+    with_host = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--no-host-time"]) == 0
+    gpu_only = json.loads(capsys.readouterr().out)
+    assert gpu_only["makespan_s"] < with_host["makespan_s"]  # the default engine's host time is gone
+    assert gpu_only["num_steps"] == with_host["num_steps"]  # same schedule, shorter steps
+    assert main([*argv, "--interference-factor", "1.3"]) == 0
+    assert json.loads(capsys.readouterr().out)["makespan_s"] >= with_host["makespan_s"]  # never faster
+    assert main([*argv, "--interference-factor", "0.9"]) == 2
+    assert "interference_factor: must be >= 1" in capsys.readouterr().err

@@ -38,6 +38,17 @@ def add_parser(sub) -> None:
         )
         q.add_argument("--seed", type=int, default=0)
         q.add_argument("--json", action="store_true", help="print JSON instead of a table")
+        q.add_argument(
+            "--no-host-time",
+            action="store_true",
+            help="simulate GPU time only (no engine host time per step: the BlendServe paper's accounting)",
+        )
+        q.add_argument(
+            "--interference-factor",
+            type=float,
+            default=None,
+            help="overlap mode's slowdown of the busier resource (default 1.10; >= 1)",
+        )
     plan_p = osub.choices["plan"]
     plan_p.add_argument("--planner", action="append", default=None, help="planner(s) to show (default: all)")
     plan_p.add_argument("--batches", type=int, default=5, help="batches to print per planner")
@@ -88,12 +99,22 @@ def _load(args):
     return reqs
 
 
+def _engine(args):
+    from kvbalance.offline.simulate import OfflineEngineConfig
+    from kvbalance.perf.overlap import DEFAULT_INTERFERENCE_FACTOR
+
+    f = DEFAULT_INTERFERENCE_FACTOR if args.interference_factor is None else args.interference_factor
+    return OfflineEngineConfig(
+        max_num_seqs=args.max_num_seqs, interference_factor=f, host_time=not args.no_host_time
+    )
+
+
 def _simulate(reqs, planner: str, ctx, args, data_parallel: int = 1) -> dict:
     from kvbalance.offline.plan import PLANNERS
-    from kvbalance.offline.simulate import OfflineEngineConfig, simulate_plan, simulate_ranks
+    from kvbalance.offline.simulate import simulate_plan, simulate_ranks
 
     plan = PLANNERS.get(planner)().plan(reqs, ctx)
-    engine = OfflineEngineConfig(max_num_seqs=args.max_num_seqs)
+    engine = _engine(args)
     if data_parallel > 1:
         row = simulate_ranks(reqs, plan, ctx, engine, data_parallel)
     else:
@@ -105,6 +126,7 @@ def _run_plan(args) -> int:
     from kvbalance.offline.plan import PLANNERS
 
     ctx = _context(args)
+    _engine(args)  # a bad --interference-factor fails before anything is planned
     reqs = _load(args)
     names = args.planner or list(PLANNERS.names())
     out = []
@@ -150,6 +172,7 @@ def _run_run(args) -> int:
     if args.data_parallel < 1:
         raise ValueError(f"data_parallel: must be >= 1, got {args.data_parallel}")
     ctx = _context(args)
+    _engine(args)
     reqs = _load(args)
     row = _simulate(reqs, args.planner, ctx, args, args.data_parallel)["row"]
     row.update(

@@ -1,5 +1,6 @@
-"""Offline jobs (BlendServe section 5): generated mixes of task types with shared prefixes, the paper's four
-trace presets, and a reader for OpenAI Batch API input files.
+"""Offline jobs (BlendServe section 5): generated mixes of task types with shared prefixes, the four (density,
+sharing) presets for them, and a reader for OpenAI Batch API input files. The paper's own traces, built as it
+builds them, are ``workloads/blendserve_traces.py``.
 
 Task types:
 
@@ -207,11 +208,13 @@ class TracePreset:
     sharing: float
 
 
-# The paper's four traces (Table 2): density 1.4 (compute-heavy) or 0.9 (memory-heavy) x sharing 35% or 5%.
+# The paper's four (density, sharing) targets in its numbering: #1 (1.4, 35%), #2 (0.9, 35%), #3 (1.4, 5%),
+# #4 (0.9, 5%). This generator's mix (chat / MMLU / video, many system prompts) is a small synthetic stand-in
+# for tests; the paper's own traces (BurstGPT, MMLU, OpenVid at 400k requests) are in ``blendserve_traces``.
 PRESETS = {
     "trace1": TracePreset("trace1", 1.4, 0.35),
-    "trace2": TracePreset("trace2", 1.4, 0.05),
-    "trace3": TracePreset("trace3", 0.9, 0.35),
+    "trace2": TracePreset("trace2", 0.9, 0.35),
+    "trace3": TracePreset("trace3", 1.4, 0.05),
     "trace4": TracePreset("trace4", 0.9, 0.05),
 }
 
