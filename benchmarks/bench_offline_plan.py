@@ -1,9 +1,10 @@
 """Planning time of the offline planners for a job of the paper's trace size (400k requests).
 
-Builds a trace-1-like job (chat + MMLU + video, shared prefixes) and times each stage of the ``blendserve``
-planner (prefix tree over block hashes, warm-up sampling and estimation, sort-and-split, dual scan) and the
-DFS planner; prints the figures and the job's practical-optimum makespan for scale (planning must be small
-next to the job it plans). Run: .venv/bin/python benchmarks/bench_offline_plan.py [--requests 400000]
+Builds the paper's trace #1 (``workloads/blendserve_traces.py``: BurstGPT + MMLU + OpenVid, 35% sharing) and
+times each stage of the ``blendserve`` planner (prefix tree over block hashes, warm-up sampling and
+estimation, sort-and-split, dual scan with its per-step budgets) and the DFS planner; prints the figures and
+the job's ideal bound for scale (planning must be small next to the job it plans).
+Run: .venv/bin/python benchmarks/bench_offline_plan.py [--requests 400000] [--trace trace1]
 """
 
 from __future__ import annotations
@@ -14,28 +15,26 @@ import time
 
 import numpy as np
 
-from kvbalance.offline.density import DensityConstants, mem_s
+from kvbalance.offline.density import DensityConstants, job_density_fn, mem_s
 from kvbalance.offline.dual_scan import dual_scan
 from kvbalance.offline.estimate import choose_samples, estimate_output_lens
 from kvbalance.offline.plan import PLANNERS, PlanContext
 from kvbalance.offline.planners._common import budget_lens, job_stats, kv_tokens, prompt_lens
 from kvbalance.offline.split import sort_and_split
 from kvbalance.offline.tree import PrefixTree
-from kvbalance.workloads.offline import OfflineJobConfig, build_job
+from kvbalance.workloads.blendserve_traces import TRACES, build_trace, paper_trace_config
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=400_000)
-    ap.add_argument("--video-fraction", type=float, default=0.01)
+    ap.add_argument("--trace", default="trace1", choices=sorted(TRACES))
     args = ap.parse_args()
     ctx = PlanContext()
     k = DensityConstants.for_model(ctx.model, ctx.gpu)
     t = {}
     t0 = time.perf_counter()
-    reqs = build_job(
-        OfflineJobConfig(num_requests=args.requests, video_fraction=args.video_fraction, num_apps=256)
-    )
+    reqs = build_trace(paper_trace_config(args.trace, job_density_fn(k), args.requests))
     t["job_generation_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     tree = PrefixTree.from_requests(reqs, ctx.block_size)
@@ -61,6 +60,7 @@ def main() -> None:
         tree.root.density,
         kv_tokens(ctx),
         ctx.chunk_tokens,
+        tree.amortised_tokens,
     )
     t["dual_scan_s"] = time.perf_counter() - t0
     t["blendserve_stages_total_s"] = sum(v for key, v in t.items() if key != "job_generation_s")
@@ -72,6 +72,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "trace": args.trace,
                 "requests": len(reqs),
                 "samples": len(samples),
                 "splits": split.num_splits,
