@@ -127,7 +127,8 @@ class MigrationController:
         self.cluster = cluster
         self.migrator = AdaptiveMigrator(section.to_config(), window_s=section.window_s)
         self.gpu_of = {gpu_name(m.gpus[0]): m for m in cluster.members}
-        self.models = {m.index: _step_model(m) for m in cluster.members}
+        # the migrated step models (only where moves can happen: role flips leave step times alone)
+        self.models = {m.index: _step_model(m) for m in cluster.members} if section.moves else {}
         self.helper_of: dict[int, Member] = {}  # source member index -> its helper
         self.engaged: set[int] = set()  # members in a landed or in-flight move
         self.memory: dict[str, GPUMemory] = {}
@@ -388,6 +389,8 @@ class MigrationController:
         from kvbalance.cluster.core import gpu_name
 
         helper = self.helper_of.get(m.index)
+        if not self.moves:
+            return
         model = self.models[m.index]
         if model.last_had_decodes:
             self._decode_step_s[m.index] = start_s
