@@ -11,7 +11,7 @@ import pytest
 
 from kvbalance.offline.admission import DualScanAdmission
 from kvbalance.offline.density import DensityConstants, comp_s, mem_s
-from kvbalance.offline.dual_scan import dual_scan
+from kvbalance.offline.dual_scan import ScanEnds, dual_scan
 from kvbalance.offline.plan import PLANNERS, PlanContext
 from kvbalance.offline.simulate import OfflineEngineConfig, job_yardsticks, simulate_plan
 from kvbalance.request import Request, RequestState, SamplingParams
@@ -198,3 +198,27 @@ def test_fluid_scan_spends_each_step_at_most_its_budgets():
     # unpaced, the first admission takes as much of the left side as its memory allows
     assert sum(p[i] for i in unpaced.batches[0] if d[i] == 2) > 3 * paced.c_left_tokens
     assert paced.steps > unpaced.steps * 0.5  # pacing spreads the compute side over the scan's steps
+
+
+def test_aligned_budget_is_the_compute_left_over_the_memory_steps_left():
+    reqs, p, d, comp, mem, rho_root = _two_sided()
+    ends = ScanEnds(comp, mem, p, d, rho_root)
+    # 200 x 600 compute tokens; 40 memory-heavy requests of 3,000 steps, all fit at once: 3,000 steps
+    assert ends.aligned_budget(0, len(p) - 1, 100_000, 2048) == 40
+    # 10 of them running with 1,000 steps left each, 30 pending: (30 x 3000 + 10 x 1000) / 40 = 2,500 steps
+    assert ends.aligned_budget(0, len(p) - 11, 100_000, 2048, (10, 10_000.0, 1000.0)) == 48
+    # only a long one left running: its remaining steps bound the pace; nothing memory-heavy left: full speed
+    assert ends.aligned_budget(0, 199, 100_000, 2048, (1, 500.0, 500.0)) == 240
+    assert ends.aligned_budget(0, 199, 100_000, 2048) == 2048
+
+
+def test_aligned_scan_ends_the_compute_side_with_the_memory_side():
+    reqs, p, d, comp, mem, rho_root = _two_sided()
+    seq = list(range(len(reqs)))
+    res = dual_scan(seq, p, d, comp, mem, rho_root, 100_000, 2048)
+    last_compute = max(t for i, t in zip(res.order, res.admit_step) if d[i] == 2)
+    assert last_compute >= 0.85 * res.steps  # compute spread over the memory side's steps, to its end
+    paper = dual_scan(seq, p, d, comp, mem, rho_root, 100_000, 2048, budget_rule="paper")
+    assert sorted(paper.order) == seq and paper.c_left_tokens != res.c_left_tokens
+    with pytest.raises(ValueError, match="budget_rule: must be one of aligned, paper"):
+        dual_scan(seq, p, d, comp, mem, rho_root, 100_000, 2048, budget_rule="fast")

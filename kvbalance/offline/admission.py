@@ -7,7 +7,10 @@ the engine's waiting queue from the two ends under both of the scan's per-step l
 * memory: a side may add requests while the KV its released, unfinished requests hold on average over their
   lives (p + d / 2 tokens each, with d the estimated output) stays within its share M_L or M_R;
 * prefill: a side may add requests while its prefill budget C_L or C_R (tokens per step, credited every step,
-  none banked past one step) has credit; a release spends the request's computed prompt tokens.
+  none banked past one step) has credit; a release spends the request's computed prompt tokens. C_L follows
+  ``budget_rule`` (``dual_scan.py``): by default the rate at which the compute-heavy side ends when the
+  memory-heavy one does, counted from what is pending and from the running memory-heavy requests' remaining
+  estimated outputs.
 
 Both are recomputed each step from the densities and lengths at the two ends. The engine then admits what it
 was given FCFS, so memory pressure and the prefill tokens of each step follow the plan's balance instead of
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvbalance.offline.dual_scan import PrefillBudget, ScanEnds
+from kvbalance.offline.dual_scan import BUDGET_RULES, PrefillBudget, ScanEnds
 from kvbalance.request import Request
 
 
@@ -49,23 +52,31 @@ class DualScanAdmission:
         m_tokens: float,
         chunk_tokens: int = 2048,
         enforce_budgets: bool = True,
+        budget_rule: str = "aligned",
         requests: Sequence[Request] = (),
     ) -> None:
+        if budget_rule not in BUDGET_RULES:
+            raise ValueError(f"budget_rule: must be one of {', '.join(BUDGET_RULES)}, got {budget_rule!r}")
         self._args = (warmup, seq, prompt_lens, output_lens, eff_comp_s, mem_s, rho_root, m_tokens)
-        self._kw = {"chunk_tokens": chunk_tokens, "enforce_budgets": enforce_budgets}
+        self._kw = {
+            "chunk_tokens": chunk_tokens,
+            "enforce_budgets": enforce_budgets,
+            "budget_rule": budget_rule,
+        }
+        self.budget_rule = budget_rule
         self.requests = requests
         self.warmup = list(warmup)
         self.seq = list(seq)
         self.pc = np.asarray(prompt_lens, dtype=np.float64)
         d = np.asarray(output_lens, dtype=np.float64)
         self.foot = self.pc + d / 2
+        self.d = d
         comp = np.asarray(eff_comp_s, dtype=np.float64)
         mem = np.asarray(mem_s, dtype=np.float64)
-        heavy = (mem > 0) & (comp < rho_root * mem)  # memory-heavy: density below the job's
-        self.mem_per_step = np.where(heavy, mem / np.maximum(d, 1.0), 0.0)
+        self.heavy = (mem > 0) & (comp < rho_root * mem)  # memory-heavy: density below the job's
         s = np.asarray(self.seq, dtype=np.int64)
         take = (lambda a: np.asarray(a, dtype=np.float64)[s]) if len(s) else (lambda a: np.zeros(0))
-        self.ends = ScanEnds(take(eff_comp_s), take(mem_s), take(self.pc), take(d))
+        self.ends = ScanEnds(take(eff_comp_s), take(mem_s), take(self.pc), take(d), rho_root)
         self.rho_root = rho_root
         self.m_tokens = m_tokens
         self.chunk_tokens = chunk_tokens
@@ -73,7 +84,6 @@ class DualScanAdmission:
         self.left, self.right = 0, len(self.seq) - 1
         self.live: list[list[int]] = [[], []]  # released, unfinished request indices per side
         self.used = [0.0, 0.0]
-        self.live_mem = [0.0, 0.0]  # memory seconds per step of each side's live memory-heavy requests
         self.credit = [PrefillBudget(), PrefillBudget()]
         self.released: list[int] = []  # release order (every request exactly once)
         self.split: tuple[float, float] = (0.0, 0.0)  # this step's M_L, M_R
@@ -86,6 +96,17 @@ class DualScanAdmission:
     @property
     def pending(self) -> int:
         return len(self.warmup) + max(self.right - self.left + 1, 0)
+
+    def _live_memory(self) -> tuple[int, float, float]:
+        """(count, estimated output tokens still to decode, longest of them) of the released, unfinished
+        memory-heavy requests."""
+        rem = [
+            max(float(self.d[i]) - self.requests[i].num_output_tokens, 1.0)
+            for side in (0, 1)
+            for i in self.live[side]
+            if self.heavy[i]
+        ]
+        return len(rem), float(sum(rem)), max(rem, default=0.0)
 
     def _memory_cap(self, side: int, budget: tuple[float, float]) -> float:
         """The KV a side may hold: its share; the compute-heavy side also whatever the other leaves free
@@ -104,14 +125,14 @@ class DualScanAdmission:
             if len(keep) != len(self.live[side]):
                 self.live[side] = keep
                 self.used[side] = float(self.foot[keep].sum()) if keep else 0.0
-                self.live_mem[side] = float(self.mem_per_step[keep].sum()) if keep else 0.0
         while self.warmup:
             self._release(instance, self.warmup.pop(0), now)
         if self.left > self.right:
             return
         budget = self.ends.split(self.left, self.right, self.rho_root, self.m_tokens)
-        live_mem = self.live_mem[0] + self.live_mem[1]
-        c = self.ends.budgets(self.left, self.right, budget, self.chunk_tokens, self.rho_root, live_mem)
+        c = self.ends.budgets(
+            self.left, self.right, budget, self.chunk_tokens, self.budget_rule, self._live_memory()
+        )
         self.split, self.budgets = budget, c
         out = [0.0, 0.0]
         for side in (0, 1):
@@ -129,7 +150,6 @@ class DualScanAdmission:
                     if self.enforce_budgets and not self.credit[side].open:
                         break
                 self.used[side] += f
-                self.live_mem[side] += float(self.mem_per_step[i])
                 self.credit[side].spend(float(self.pc[i]))
                 out[side] += float(self.pc[i])
                 self.live[side].append(i)

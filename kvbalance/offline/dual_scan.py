@@ -11,9 +11,24 @@ budgets are multiples of 128 tokens, as in the paper, and together at most the e
 limits hold per step: a side admits while its KV share has room AND its prefill budget has tokens left this
 step (``PrefillBudget``: C tokens of credit per step, none banked past one step), so the compute-heavy side's
 prefills are spread over the memory-heavy side's decode steps instead of arriving in bursts that leave later
-steps with memory work only. The scan is played out on a fluid clock counted in decode steps (a request
-occupies its side's memory from its admission until its d steps are done), which turns it into a static
-admission order; ``admission.py`` plays the same rules against the live engine.
+steps with memory work only. The compute-heavy side is paced by its budget, not capped by its share: its
+requests hold little KV for few steps, so it may use what the memory-heavy side leaves free.
+
+The compute-heavy side's budget C_L (``budget_rule``):
+
+* ``"aligned"`` (default): the rate at which both sides end together, C_L = (prompt tokens the compute-heavy
+  requests still have to compute) / (decode steps the memory-heavy side still needs: its pending and running
+  requests' output tokens over the number it runs at once, at least the longest running one's remaining
+  output), at most the chunk budget; the whole chunk budget once no memory-heavy request is left. The
+  paper's rho_L M_L + rho_R M_R = rho_root M balance aims at the same end: measured on its trace #1 (64k
+  requests), the paper's C_L paces the compute side at 512 tokens per step where ending together needs about
+  1,000, because the density formulas leave the weight reads of every step out of its memory time, and the
+  compute work is then spread over nearly twice the steps the memory work needs.
+* ``"paper"``: C_L = N_L p / d as above.
+
+The scan is played out on a fluid clock counted in decode steps (a request occupies its side's memory from
+its admission until its d steps are done), which turns it into a static admission order; ``admission.py``
+plays the same rules against the live engine.
 """
 
 from __future__ import annotations
@@ -98,20 +113,35 @@ class DualScanResult:
     c_left_tokens: int = 0  # the first per-step prefill budgets
     c_right_tokens: int = 0
     side: list[int] = field(default_factory=list)  # 0 = left, 1 = right, per entry of ``order``
+    admit_step: list[float] = field(default_factory=list)  # fluid-clock step of each admission in ``order``
     steps: float = 0.0  # fluid-clock length of the scan, in decode steps
+
+
+BUDGET_RULES = ("aligned", "paper")
 
 
 class ScanEnds:
     """The two ends of a density-ordered sequence: window densities (sum eff_comp / sum mem) and window means
-    of computed prompt and output tokens, each over the WINDOW requests nearest an end."""
+    of computed prompt and output tokens, each over the WINDOW requests nearest an end; and, by prefix sums,
+    the computed prompt tokens of the compute-heavy requests (density above ``rho_root``) and the output
+    tokens, count and KV footprint of the memory-heavy ones between two positions."""
 
-    def __init__(self, comp: np.ndarray, mem: np.ndarray, pc: np.ndarray, d: np.ndarray) -> None:
+    def __init__(
+        self, comp: np.ndarray, mem: np.ndarray, pc: np.ndarray, d: np.ndarray, rho_root: float = 0.0
+    ) -> None:
         self.comp, self.mem, self.pc, self.d = comp, mem, pc, d
-        self._stats: dict[tuple[int, int], tuple[float, float, float, float, float]] = {}
+        self.rho_root = rho_root
+        self._stats: dict[tuple[int, int], tuple[float, float, float]] = {}
+        self.heavy = heavy = (mem > 0) & (comp < rho_root * mem)  # memory-heavy: density below the job's
+        zero = np.zeros(1)
+        self._pc_compute = np.concatenate([zero, np.cumsum(np.where(heavy, 0.0, pc))])
+        self._d_memory = np.concatenate([zero, np.cumsum(np.where(heavy, d, 0.0))])
+        self._n_memory = np.concatenate([zero, np.cumsum(heavy.astype(np.float64))])
+        self._foot_memory = np.concatenate([zero, np.cumsum(np.where(heavy, pc + d / 2, 0.0))])
 
-    def _window(self, lo: int, hi: int) -> tuple[float, float, float, float, float]:
-        """(density, mean computed prompt, mean output, sum computed prompt, sum eff_comp) of [lo, hi),
-        memoised: a scan asks for the same windows every step until an end moves."""
+    def _window(self, lo: int, hi: int) -> tuple[float, float, float]:
+        """(density, mean computed prompt, mean output) of [lo, hi), memoised: a scan asks for the same
+        windows every step until an end moves."""
         key = (lo, hi)
         st = self._stats.get(key)
         if st is None:
@@ -119,9 +149,9 @@ class ScanEnds:
                 self._stats.clear()
             m = float(self.mem[lo:hi].sum())
             c = float(self.comp[lo:hi].sum())
-            ptot = float(self.pc[lo:hi].sum())
             k = max(hi - lo, 1)
-            st = (c / m if m > 0 else float("inf"), ptot / k, float(self.d[lo:hi].sum()) / k, ptot, c)
+            rho = c / m if m > 0 else float("inf")
+            st = (rho, float(self.pc[lo:hi].sum()) / k, float(self.d[lo:hi].sum()) / k)
             self._stats[key] = st
         return st
 
@@ -141,34 +171,48 @@ class ScanEnds:
         right: int,
         m_split: tuple[float, float],
         chunk_tokens: int,
-        rho_root: float = 0.0,
-        live_mem_step_s: float = 0.0,
+        rule: str = "aligned",
+        live_memory: tuple[int, float, float] = (0, 0.0, 0.0),
     ) -> tuple[int, int]:
-        """(C_L, C_R) from the split (``step_budgets``). Where both ends are compute-heavy (the memory-heavy
-        requests are all admitted, some still running), the split has nothing to balance and the two budgets
-        together are capped at the rate that keeps each step at the job's density against the memory work
-        still running (``balance_budget``): the compute is spread over the running requests' decode steps
-        instead of being spent at once and leaving them a tail of memory-only steps."""
+        """(C_L, C_R) for the pending requests [left, right]. ``live_memory`` = (count, output tokens still to
+        decode, longest remaining output) of the running memory-heavy requests. The paper's rule for both
+        sides (``step_budgets``); with ``rule="aligned"`` the compute-heavy ends' budgets together are the
+        rate that ends both sides together (module docstring)."""
         stats = [self._window(lo, hi) for lo, hi in self.windows(left, right)]
         c = list(step_budgets(m_split, tuple((st[1], st[2]) for st in stats), chunk_tokens))
-        if live_mem_step_s > 0 and stats[0][0] > rho_root and stats[1][0] > rho_root:
-            tokens, comp = stats[0][3] + stats[1][3], stats[0][4] + stats[1][4]
-            cap = balance_budget(rho_root, live_mem_step_s, tokens, comp)
-            total = c[0] + c[1]
-            if total > cap:
-                c = [int(math.ceil(x * cap / total)) if x else 0 for x in c]
+        if rule == "paper":
+            return c[0], c[1]
+        compute_sides = [side for side in (0, 1) if stats[side][0] > self.rho_root]
+        if not compute_sides:
+            return c[0], c[1]
+        aligned = self.aligned_budget(left, right, m_split[1], chunk_tokens, live_memory)
+        if len(compute_sides) == 2:
+            c = [max(16, aligned // 2), max(16, aligned - aligned // 2)]
+        else:
+            c[compute_sides[0]] = aligned
         return c[0], c[1]
 
-
-def balance_budget(rho_root: float, mem_step_s: float, window_tokens: float, window_comp_s: float) -> int:
-    """Prefill tokens per step that add rho_root x ``mem_step_s`` seconds of compute (the step's memory work
-    times the job's density) at the window's compute per computed token, at least one block (16). With the
-    memory-heavy side at its share M_R and rho_R near 0 this is the paper's C_L = N_L p / d (M_L = M rho_root /
-    rho_L gives the same tokens per step); it paces admissions, so it is not rounded up to the 128-token
-    chunk quantum (at a few hundred tokens per step that would run the compute side 20-30% fast)."""
-    if window_comp_s <= 0 or window_tokens <= 0:
-        return CHUNK_QUANTUM
-    return max(16, int(math.ceil(rho_root * mem_step_s * window_tokens / window_comp_s)))
+    def aligned_budget(
+        self,
+        left: int,
+        right: int,
+        m_memory_tokens: float,
+        chunk_tokens: int,
+        live_memory: tuple[int, float, float] = (0, 0.0, 0.0),
+    ) -> int:
+        """Prefill tokens per step at which the compute-heavy requests in [left, right] end when the
+        memory-heavy ones (pending there and ``live_memory`` running) do: at least 16, at most the chunk."""
+        lo, hi = left, right + 1
+        n_live, live_tokens, live_longest = live_memory
+        decode = float(self._d_memory[hi] - self._d_memory[lo]) + live_tokens
+        if decode <= 0:
+            return chunk_tokens  # nothing memory-heavy left: compute at full speed
+        pending = float(self._n_memory[hi] - self._n_memory[lo])
+        foot = float(self._foot_memory[hi] - self._foot_memory[lo]) / pending if pending else 0.0
+        fits = min(m_memory_tokens / foot, pending + n_live) if foot > 0 else 0.0
+        steps = max(decode / max(float(n_live), fits, 1.0), live_longest, 1.0)
+        tokens = float(self._pc_compute[hi] - self._pc_compute[lo])
+        return min(chunk_tokens, max(16, int(math.ceil(tokens / steps))))
 
 
 def dual_scan(
@@ -182,6 +226,7 @@ def dual_scan(
     chunk_tokens: int,
     computed_tokens: Sequence[float] | None = None,
     enforce_budgets: bool = True,
+    budget_rule: str = "aligned",
 ) -> DualScanResult:
     """Play the dual scan over ``seq`` (request indices, density non-increasing left to right).
 
@@ -189,9 +234,12 @@ def dual_scan(
     densities are sum(eff_comp) / sum(mem). ``computed_tokens`` are the prompt tokens a request really
     computes (default: its whole prompt), which is what the prefill budgets spend. Each step a side admits
     while its KV share M_L / M_R has room and its prefill budget C_L / C_R has credit (``enforce_budgets``;
-    False: memory alone, the engine's chunk budget serving every prefill); a side with nothing running may
+    False: memory alone, the engine's chunk budget serving every prefill; ``budget_rule``: how C_L is set,
+    module docstring); a side with nothing running may
     start one request past its memory share (not past its budget), and anyone may when nothing runs at all.
     """
+    if budget_rule not in BUDGET_RULES:
+        raise ValueError(f"budget_rule: must be one of {', '.join(BUDGET_RULES)}, got {budget_rule!r}")
     n = len(seq)
     seq = list(seq)
     p = np.asarray(prompt_lens, dtype=np.float64)
@@ -201,14 +249,15 @@ def dual_scan(
     mem_a = np.asarray(mem_s, dtype=np.float64)
     idx = np.asarray(seq, dtype=np.int64)
     take = (lambda a: a[idx]) if n else (lambda a: np.zeros(0))
-    ends = ScanEnds(take(comp_a), take(mem_a), take(pc), take(d))
+    ends = ScanEnds(take(comp_a), take(mem_a), take(pc), take(d), rho_root)
+    heavy = (mem_a > 0) & (comp_a < rho_root * mem_a)
     res = DualScanResult(order=[])
     left, right = 0, n - 1
     used = [0.0, 0.0]
     live = [0, 0]
     credit = [PrefillBudget(), PrefillBudget()]
-    heap: list[tuple[float, int, int, float, float]] = []  # (finish, tiebreak, side, footprint, mem per step)
-    mem_step = 0.0  # memory seconds per step of the running memory-heavy requests (density < rho_root)
+    heap: list[tuple[float, int, int, float]] = []  # (finish step, tiebreak, side, footprint)
+    live_heavy: dict[int, float] = {}  # running memory-heavy requests: finish step
     prefill_clock = [0.0, 0.0]  # when each side's admitted prefills are done, at its budget's rate
     now = 0.0
     credited = -1.0  # the clock up to which the budgets have been credited
@@ -217,7 +266,9 @@ def dual_scan(
     while left <= right:
         budget = ends.split(left, right, rho_root, m_tokens)
         if enforce_budgets:
-            c = ends.budgets(left, right, budget, chunk_tokens, rho_root, mem_step)
+            rem = [f - now for f in live_heavy.values()]
+            live_mem = (len(rem), float(sum(rem)), max(rem, default=0.0))
+            c = ends.budgets(left, right, budget, chunk_tokens, budget_rule, live_mem)
         else:
             c = (chunk_tokens, chunk_tokens)
         if first:
@@ -252,13 +303,15 @@ def dual_scan(
                 rate = max(c[side], 1) if enforce_budgets else chunk_tokens
                 start = max(now, prefill_clock[side])
                 prefill_clock[side] = start + pc[i] / rate
-                per_step = mem_a[i] / d[i] if mem_a[i] > 0 and comp_a[i] < rho_root * mem_a[i] else 0.0
-                mem_step += per_step
+                finish = prefill_clock[side] + d[i]
+                if heavy[i]:
+                    live_heavy[i] = finish
                 tick += 1
-                heapq.heappush(heap, (prefill_clock[side] + d[i], tick, side, foot, per_step))
+                heapq.heappush(heap, (finish, tick, side, foot))
                 batch.append(i)
                 res.order.append(i)
                 res.side.append(side)
+                res.admit_step.append(now)
         if batch:
             res.batches.append(batch)
             tokens = float(pc[batch].sum())
@@ -268,12 +321,12 @@ def dual_scan(
         nxt = heap[0][0] if heap else now + 1
         now = min(nxt, now + 1) if credit_bound else max(nxt, now + 1e-9)
         while heap and heap[0][0] <= now:
-            _, _, s2, f2, m2 = heapq.heappop(heap)
+            _, _, s2, f2 = heapq.heappop(heap)
             used[s2] -= f2
             live[s2] -= 1
-            mem_step -= m2
+        if live_heavy:
+            live_heavy = {k: f for k, f in live_heavy.items() if f > now}
         if not heap:
             used = [0.0, 0.0]  # nothing runs: clear float residue
-            mem_step = 0.0
     res.steps = max([now] + [h[0] for h in heap])
     return res

@@ -40,13 +40,19 @@ class BlendServePlanner:
     mode = "overlap"
 
     def __init__(
-        self, keep_sharing: float = 0.99, enforce_budgets: bool = True, live_admission: bool = True
+        self,
+        keep_sharing: float = 0.99,
+        enforce_budgets: bool = True,
+        live_admission: bool = True,
+        budget_rule: str = "aligned",
     ) -> None:
         """``enforce_budgets=False`` drops C_L / C_R (memory shares only); ``live_admission=False`` leaves
-        the engine the static ``order`` alone (both ablations)."""
+        the engine the static ``order`` alone (both ablations); ``budget_rule="paper"`` sets C_L as
+        N_L p / d (``dual_scan.py``)."""
         self.keep_sharing = keep_sharing
         self.enforce_budgets = enforce_budgets
         self.live_admission = live_admission
+        self.budget_rule = budget_rule
 
     def plan(self, requests: Sequence[Request], ctx: PlanContext) -> OfflinePlan:
         k = constants(ctx)
@@ -76,6 +82,7 @@ class BlendServePlanner:
                 ctx.chunk_tokens,
                 amortised,
                 enforce_budgets=self.enforce_budgets,
+                budget_rule=self.budget_rule,
             )
 
         leaves = tree.leaf_order()
@@ -116,6 +123,7 @@ class BlendServePlanner:
                 m_tokens,
                 chunk_tokens=ctx.chunk_tokens,
                 enforce_budgets=self.enforce_budgets,
+                budget_rule=self.budget_rule,
             )
         plan.batches = ds.batches
         plan.stats = stats
