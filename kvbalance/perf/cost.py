@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import reduce
+from operator import add
 
 from kvbalance.batch import BatchPlan, StepBreakdown
 from kvbalance.perf.correction import ShapeCorrections, elementwise_key, gemm_key
@@ -43,6 +45,9 @@ from kvbalance.specs import HardwareSpec, LinkSpec, ModelSpec, get_gpu, get_link
 
 # (num_new_tokens, context_len_after_step, samples)
 SeqWork = tuple[int, int, bool]
+
+# Token counts (and sampled counts) whose operator terms CostModel.step keeps; past it the memo starts over.
+STEP_MEMO_MAX = 4096
 
 
 # Per-layer and per-step operator names, in execution order (calibration relies on a fixed order).
@@ -152,6 +157,11 @@ class CostModel:
         self._corr = ShapeCorrections(corr, self.kernel_keys()) if corr else None
         if not self._corr:
             self._corr = None
+        # CostModel.step's memo: per token count T, the terms of every operator that depends on T alone; per
+        # sampled count, the LM head's (None: every step runs _step_plain)
+        self._step_memo: dict[int, tuple] | None = {}
+        self._gaps_s = self.gpu.per_layer_overhead_s * self.model.num_layers  # the per-layer launch gaps
+        self._lm_memo: dict[int, tuple] = {}
 
     def kernel_keys(self) -> dict[str, str | None]:
         """Each operator's kernel shape key (:mod:`kvbalance.perf.correction`); None: never profiled."""
@@ -308,7 +318,183 @@ class CostModel:
         """Breakdown of a step computing ``seqs`` = [(num_new_tokens, context_len_after_step, samples)].
 
         Each operator's roofline winner goes to ``compute_s`` or ``memory_s``; kernel latencies and the host
-        overhead (:meth:`host_overhead_s`) to ``overhead_s``; all-reduces to ``comm_s``."""
+        overhead (:meth:`host_overhead_s`) to ``overhead_s``; all-reduces to ``comm_s``.
+
+        Every operator but the attention ones and the LM head depends only on the step's token count T (the LM
+        head only on the sampled count), so their terms are memoised per T (:meth:`_terms_of`) and added here
+        in :meth:`_step_plain`'s order, accumulator by accumulator: the same floats in the same order, so the
+        same breakdown to the last bit (tests/test_cost_memo.py), at a fraction of the cost (the simulator
+        evaluates it once per step)."""
+        memo = self._step_memo
+        if memo is None:
+            return self._step_plain(seqs)
+        tokens = sampled = pre_tokens = pre_ctx = dec_seqs = dec_ctx = 0
+        pre_pairs = 0.0
+        for n, ctx, sample in seqs:  # op_counts' tally: same checks, same arithmetic
+            if n < 1:
+                raise ValueError(f"num_new_tokens: must be >= 1, got {n}")
+            if ctx < n:
+                raise ValueError(f"context_len: {ctx} is smaller than num_new_tokens {n}")
+            tokens += n
+            if sample:
+                sampled += 1
+            if n == 1:
+                dec_seqs += 1
+                dec_ctx += ctx
+            else:
+                pre_tokens += n
+                pre_ctx += ctx
+                pre_pairs += n * (ctx - n) + n * (n + 1) / 2
+        if tokens == 0:
+            return StepBreakdown()
+        terms = memo.get(tokens)
+        if terms is None:
+            terms = self._terms_of(tokens)
+        c_pre, m_pre, o_pre, f_pre, b_pre, o_pre_seq, post, kernels, comm_s, at = terms
+        post_c, post_m, post_o, post_f, post_b = post
+        hw, eng = self.gpu, self.engine
+        num_seqs = len(seqs)
+        work = eng.host_work_s(hw, num_seqs, tokens, self.tp)
+        compute_s, memory_s, flops, num_bytes = c_pre, m_pre, f_pre, b_pre
+        # the operators before attention: their sums from 0 are fixed by T; a serial engine's overhead starts
+        # from its host work, so its latencies are added one by one
+        overhead_s = o_pre if eng.overlap else reduce(add, o_pre_seq, work + self._gaps_s)
+        L = self.model.num_layers
+        m, dt = self.model, self._dt
+        hd, heads_r, kvl, q_r = m.head_dim, self._heads_r, self._kv_token_layer_bytes, self._q_r
+        T = float(tokens)
+        for attn in (
+            OpCount("attn_prefill", ATTENTION, 4.0 * hd * heads_r * pre_pairs,
+                    pre_ctx * kvl + 2.0 * pre_tokens * q_r * dt, pre_tokens, repeat=L) if pre_tokens else None,
+            OpCount("attn_decode", ATTENTION, 4.0 * hd * heads_r * dec_ctx,
+                    dec_ctx * kvl + 2.0 * dec_seqs * q_r * dt, dec_seqs, repeat=L) if dec_seqs else None,
+        ):  # fmt: skip
+            if attn is None:
+                continue
+            to_c, v, o, f, b, k = self._op_terms(attn, at, T)
+            if to_c:
+                compute_s += v
+            else:
+                memory_s += v
+            overhead_s += o
+            flops += f
+            num_bytes += b
+            kernels += k
+        compute_s = reduce(add, post_c, compute_s)
+        memory_s = reduce(add, post_m, memory_s)
+        overhead_s = reduce(add, post_o, overhead_s)
+        flops = reduce(add, post_f, flops)
+        num_bytes = reduce(add, post_b, num_bytes)
+        if sampled:
+            lm = self._lm_memo.get(sampled)
+            if lm is None:
+                lm = self._lm_terms(sampled)
+            to_c, v, o, f, b, k = lm
+            if to_c:
+                compute_s += v
+            else:
+                memory_s += v
+            overhead_s += o
+            flops += f
+            num_bytes += b
+            kernels += k
+        launch = eng.launch_s(num_seqs, tokens, kernels)
+        if eng.overlap:
+            gpu_s = compute_s + memory_s + overhead_s + comm_s
+            busy = gpu_s if gpu_s >= launch else launch
+            overhead_s += (busy if busy >= work else work) - gpu_s + eng.sync_s
+        else:
+            gpu_s = compute_s + memory_s + (overhead_s - work) + comm_s
+            overhead_s += (launch - gpu_s if launch > gpu_s else 0.0) + eng.sync_s
+        return StepBreakdown(compute_s, memory_s, overhead_s, comm_s, 0.0, flops, num_bytes)
+
+    def _op_terms(self, op: OpCount, at: dict[str, float] | None, step_tokens: float) -> tuple:
+        """What one operator adds to a step (:meth:`_step_plain`'s loop body): (to compute_s?, the roofline
+        winner's time, its latency, FLOPs, bytes, launches), with the correction at ``step_tokens``."""
+        r = op.repeat
+        if at is not None:
+            f = (
+                at.get(op.name)
+                if op.size_tokens == step_tokens
+                else self._corr.factor(op.name, op.size_tokens)
+            )
+            if f is not None:
+                r = r * f
+        hw = self.gpu
+        c = compute_time_s(op.flops, op.size_tokens, hw, op.kind)
+        mem = memory_time_s(op.bytes, hw, op.kind, op.size_tokens, op.curve)
+        key = op.kind, op.curve
+        small = self._small
+        path = small.get(key) if small else None
+        if path is not None and max(op.size_tokens, 1.0) <= path[0]:
+            o = path[1] * r
+        else:
+            o = self._latency[key] * r
+        return (
+            c > mem,
+            (c * r if c > mem else mem * r),
+            o,
+            op.flops * op.repeat,
+            op.bytes * op.repeat,
+            op.repeat,
+        )
+
+    def _terms_of(self, tokens: int) -> tuple:
+        """The memo entry of a step of ``tokens`` tokens: the operators before attention summed from 0 in
+        order (compute, memory, the overlapped engine's overhead from the layer gaps, FLOPs, bytes) and their
+        latencies one by one, those after it (o_proj .. final_norm) per accumulator in order, their launches,
+        the all-reduce time and the corrections at T."""
+        memo = self._step_memo
+        if len(memo) >= STEP_MEMO_MAX:
+            memo.clear()
+        T = float(tokens)
+        corr = self._corr
+        at = corr.at(T) if corr is not None else None
+        compute_s = memory_s = flops = num_bytes = 0.0
+        overhead_s = self._gaps_s
+        o_seq: list[float] = []
+        post: tuple[list[float], ...] = ([], [], [], [], [])
+        kernels = 0
+        before = True
+        for op in self.op_counts([(tokens, tokens, False)]):  # one prompt chunk: every T-only operator
+            if op.kind == ATTENTION:
+                before = False
+                continue
+            to_c, v, o, f, b, k = self._op_terms(op, at, T)
+            kernels += k
+            if before:
+                if to_c:
+                    compute_s += v
+                else:
+                    memory_s += v
+                overhead_s += o
+                o_seq.append(o)
+                flops += f
+                num_bytes += b
+            else:
+                post[0 if to_c else 1].append(v)
+                post[2].append(o)
+                post[3].append(f)
+                post[4].append(b)
+        if self.tp > 1:
+            kernels += 2 * self.model.num_layers  # the all-reduces
+        entry = (compute_s, memory_s, overhead_s, flops, num_bytes, tuple(o_seq), tuple(tuple(x) for x in post),
+                 kernels, self.comm_s(tokens), at)  # fmt: skip
+        memo[tokens] = entry
+        return entry
+
+    def _lm_terms(self, sampled: int) -> tuple:
+        """The LM head's terms for ``sampled`` sampling sequences (memoised per count)."""
+        memo = self._lm_memo
+        if len(memo) >= STEP_MEMO_MAX:
+            memo.clear()
+        op = self._gemm("lm_head", float(sampled), self._h, self._vocab_r)
+        at = self._corr.at(float(sampled)) if self._corr is not None else None
+        entry = memo[sampled] = self._op_terms(op, at, float(sampled))
+        return entry
+
+    def _step_plain(self, seqs: Sequence[SeqWork]) -> StepBreakdown:
+        """:meth:`step` operator by operator, without the memo (the reference it is checked against)."""
         ops = self.op_counts(seqs)
         if not ops:
             return StepBreakdown()
