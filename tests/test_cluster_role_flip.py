@@ -49,7 +49,10 @@ def test_policy_leaves_a_light_or_balanced_load_and_keeps_one_of_each_role():
     balanced = [sig("p0", "prefill", 0.8), sig("p1", "prefill", 0.8), sig("d0", "decode", 0.8),
                 sig("d1", "decode", 0.8)]  # fmt: skip
     d, _ = p.decide(0.0, balanced)
-    assert d.action == "none" and "balanced" in d.reason
+    assert d.action == "none" and d.reason.startswith("no flip lowers the peak enough")
+    overloaded = [sig("p0", "prefill", 1.9, 4.0), sig("p1", "prefill", 1.9, 4.0), sig("d0", "decode", 1.1),
+                  sig("d1", "decode", 1.0)]  # fmt: skip
+    assert p.decide(0.0, overloaded)[0].reason.startswith("both roles short")
     last = [sig("p0", "prefill", 2.0, 3.0), sig("d0", "decode", 0.1)]
     assert p.decide(0.0, last)[0].action == "none"  # min_per_role: the only decode instance stays
     engaged = [

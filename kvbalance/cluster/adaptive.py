@@ -242,7 +242,8 @@ class MigrationController:
         for g, m in self.gpu_of.items():
             u = seen[g]
             if m.role == "prefill":
-                util = u.time_util + (u.queue_util or 0.0)
+                # queued prompt compute counts up to one window: past it the queue says "short", not how much
+                util = u.time_util + min(u.queue_util or 0.0, 1.0)
             else:
                 util = self._decode_pressure(m, now, u.kv_util)
             ld = m.instance.load()

@@ -26,8 +26,8 @@ pressure of the other decode instances)`` (scaling decode pressure by ``n_d / (n
 first, kept every flip out for most of a prefill-heavy period after a decode-heavy one: the residents' KV
 held the pressure up although new decodes were short). Once the peak ``max(U_p, U_d)``
 reaches ``start_util``, the flip that lowers it most is taken if it lowers it by at least ``min_gain``;
-otherwise nothing, with the reason (the peak is low: both roles keep up; no flip lowers it enough: the
-roles are balanced, or both short and the cluster is overloaded). The instance that flips is the one with
+otherwise nothing, with the reason (the peak is low: both roles keep up; both are at or past 1: the cluster is
+overloaded and a flip only moves the shortage; no flip lowers the peak enough: the roles are balanced). The instance that flips is the one with
 the least to carry over: for decode -> prefill the decode instance holding the fewest requests (its
 residents decode on, interleaved with prefill chunks, while new decodes go elsewhere), for prefill -> decode
 the prefill instance with the least queued. At least ``min_per_role`` instances stay in each role.
@@ -35,7 +35,12 @@ the prefill instance with the least queued. At least ``min_per_role`` instances 
 A decode instance's pressure counts its residents, which a flip does not move: right after a decode-heavy
 period, decode pressure is still high while prompts queue, and a rule that needed spare decode capacity
 before flipping to prefill (tried first) waited out whole periods; the peak rule flips as soon as the
-prompts' queue is the larger shortage. Flipping several instances at once (the k that lowers the peak most)
+prompts' queue is the larger shortage. Without the overload rule, on LongBench at twice the max rate the
+queued prompts could keep the prefill side the peak while every instance was short (the rule changed
+nothing measured here: LongBench at 1.5x and 3x DistServe's max rate, phases-15 at 36 and 42 req/s gave
+the same flips; there a flip of the TP-2 decode instance at 0.5 s raised attainment 0.22 -> 0.50 at 1.5x and
+halved throughput to the end of the run, 5.4 vs 9.2 req/s: the one decode instance left drains the tail).
+Flipping several instances at once (the k that lowers the peak most)
 was tried too and did worse (phases-15, llama-13b, 4P + 4D at 42 req/s: SLO attainment 0.53 against 0.79
 one at a time): the signals lag the flips, and a jump overshoots.
 """
@@ -122,6 +127,8 @@ class RoleFlipPolicy:
         peak = max(up, ud)
         if peak < cfg.start_util:
             return FlipDecision("none", f"both roles keep up (peak {peak:.2f})"), sig
+        if min(up, ud) >= 1.0:  # every instance is short: a flip moves the shortage and costs what it carries
+            return FlipDecision("none", f"both roles short (prefill {up:.2f}, decode {ud:.2f})"), sig
         options = []
         if n_d > cfg.min_per_role:
             # the flipped decode instance keeps its residents: the others keep theirs, so their pressure is
@@ -136,10 +143,7 @@ class RoleFlipPolicy:
             return FlipDecision("none", "no instance can be spared"), sig
         after, action, role = min(options)
         if peak - after < cfg.min_gain:
-            why = "overloaded" if min(up, ud) >= 1.0 else "balanced"
-            return FlipDecision(
-                "none", f"no flip lowers the peak enough ({why}: {peak:.2f} -> {after:.2f})"
-            ), sig
+            return FlipDecision("none", f"no flip lowers the peak enough ({peak:.2f} -> {after:.2f})"), sig
         cands = [m for m in members if m.role == role and m.flippable]
         key = (
             (lambda m: (m.requests, m.util, m.name))
