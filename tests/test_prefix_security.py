@@ -8,10 +8,8 @@ hash, a hit whose cached tokens differ from the request's is a miss (counted). T
 
 from __future__ import annotations
 
-import httpx
 import pytest
 from conftest import make_request
-from server_support import live_server, make_engine, metric_values
 from test_hashing import ISSUE_D, OWN_D
 
 from kvbalance.kvcache.blocks import BlockPool
@@ -105,6 +103,8 @@ def test_cached_tokens_follow_their_blocks_through_split_growth_and_eviction():
 
 
 def _answer(url: str, prompt: list[int]) -> tuple[list[int], list]:
+    import httpx
+
     body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2, "ignore_eos": True}
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
@@ -113,6 +113,13 @@ def _answer(url: str, prompt: list[int]) -> tuple[list[int], list]:
 
 
 def _planted_then_victim(**engine_kwargs) -> tuple[tuple, dict]:
+    """Client A's planted prompt then client B's victim prompt on a live server (the server and torch extras:
+    the light core skips these tests)."""
+    for module in ("torch", "httpx", "fastapi", "uvicorn", "prometheus_client"):
+        pytest.importorskip(module)
+    import httpx
+    from server_support import live_server, make_engine, metric_values
+
     engine = make_engine(block_size=BS, **engine_kwargs)
     with live_server(engine) as url:
         _answer(url, PLANTED)  # client A plants its KV

@@ -13,12 +13,18 @@ import statistics
 import threading
 import time
 
-import httpx
 import pytest
-from server_support import CharTokenizer, byte_tokenizer, live_server, make_engine
 
-from kvbalance.server.budget import PIECE_CHARS, tokens_over_budget, utf8_len
-from kvbalance.server.protocol import MAX_CONTENT_PARTS, MAX_MESSAGES
+pytest.importorskip("torch")  # the server and torch extras
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+httpx = pytest.importorskip("httpx")
+
+from server_support import CharTokenizer, byte_tokenizer, live_server, make_engine  # noqa: E402
+
+from kvbalance.server.budget import PIECE_CHARS, tokens_over_budget, utf8_len  # noqa: E402
+from kvbalance.server.protocol import MAX_CONTENT_PARTS, MAX_MESSAGES  # noqa: E402
 
 
 class CountingEncode:
