@@ -197,7 +197,10 @@ def test_the_avx512_kernel_builds_where_the_cpu_has_avx512_bf16_and_runs_without
     if cbuild.compiler() is None or not cbuild.native_enabled():
         pytest.skip("no compiler here")
     lib = native_prefill.avx512_library()
-    assert lib is not None and lib.avx512 == ({"avx512f", "avx512_bf16"} <= _cpu_flags())
+    if {"avx512f", "avx512_bf16"} <= _cpu_flags():
+        assert lib is not None and lib.avx512
+    else:  # not built where it could never run (tests/test_native_build.py compiles it everywhere)
+        assert lib is None
     monkeypatch.setenv("KVBALANCE_NATIVE_AMX", "0")
-    assert (native_prefill.library() is lib) == lib.avx512
-    assert native_prefill.available() == lib.avx512
+    assert native_prefill.library() is lib
+    assert native_prefill.available() == (lib is not None)
