@@ -164,7 +164,7 @@ def test_cache_aware_presets():
 
 
 def test_store_aware_prefers_the_local_copy_unless_another_instance_has_a_fetch_worth_less_work():
-    r = build_router("store_aware")  # fetch_cost 0.25: a fetched token costs a quarter of a computed one
+    r = build_router("store_aware", fetch_cost=0.25)  # a fetched token priced at a quarter of a computed one
     doc = tokens(0, 64 * BS)  # 1,024 tokens
     assert r.choose(req("a", doc + tokens(9000, BS)), [load(), load()]) == 0
     q = req("b", doc + tokens(9100, BS))
@@ -174,11 +174,11 @@ def test_store_aware_prefers_the_local_copy_unless_another_instance_has_a_fetch_
     assert r.choose(req("c", doc + tokens(9200, BS)), [load(prefill=300), load()]) == 1  # 316 > 272: fetch
     # now both cache it: plain least outstanding work (load_aware's measure, ties to the least busy)
     assert r.choose(req("d", doc + tokens(9300, BS)), [load(remaining=40), load(remaining=10)]) == 1
-    no_store = build_router("store_aware", fetch_cost=1.0)  # a miss is recomputed
-    no_store.choose(req("e", doc), [load(), load()])
-    assert no_store.costs(req("f", doc + tokens(9400, BS)), [load(), load()]) == [16.0, 16.0 + 1024]
+    default = build_router("store_aware")  # fetch_cost 2: the copy's cache churn counted too
+    default.choose(req("e", doc), [load(), load()])
+    assert default.costs(req("f", doc + tokens(9400, BS)), [load(), load()]) == [16.0, 16.0 + 2 * 1024]
     with pytest.raises(ValueError, match="fetch_cost"):
-        build_router("store_aware", fetch_cost=2.0)
+        build_router("store_aware", fetch_cost=-1.0)
 
 
 def test_kv_aware_spreads_a_cluster_load_on_shared_documents():
