@@ -49,3 +49,33 @@ def test_reproduction_runs_every_system_and_writes_its_report(two_gpus, tmp_path
     again = bana.run(tmp_path, quick=True)  # the setting is there: nothing reruns
     assert again["simulated_runs"] == res["simulated_runs"]
     assert json.loads((tmp_path / "results.json").read_text()) == rows
+
+
+def test_settings_filter_runs_only_the_named_ones_and_keeps_the_rest(monkeypatch, tmp_path):
+    import kvbalance.reproduce.banaserve_report as report
+
+    other = bana.Setting("reuse", "docqa-tiny", "docqa-zipf", "poisson", "llama-2-7b", 0.5, 0.1, (1.0, 1.0),
+                         (10, 20), 8.0)  # fmt: skip
+    monkeypatch.setattr(bana, "SETTINGS", [TINY, other])
+    ran = []
+
+    def fake(st, quick, split, tick):
+        ran.append(st.key)
+        return (
+            [{"model": st.model, "workload": st.name, "arrival": st.arrival, "system": "vllm"}],
+            (1, 1, 1, 1),
+            {"split": [1, 1, 1, 1]},
+        )
+
+    monkeypatch.setattr(bana, "_one_setting", fake)
+    monkeypatch.setattr(report, "write_plots", lambda *a: None)
+    monkeypatch.setattr(report, "write_readme", lambda *a: None)
+    with pytest.raises(ValueError, match="unknown settings"):
+        bana.run(tmp_path, quick=True, settings=("nope",))
+    bana.run(tmp_path, quick=True, settings=("docqa-tiny",))
+    assert ran == [other.key]
+    bana.run(tmp_path, quick=True, settings=(TINY.key,))  # by key; the first one is kept
+    assert ran == [other.key, TINY.key]
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert set(meta["settings"]) == {TINY.key, other.key} and "code" in meta["settings"][TINY.key]
+    assert len(json.loads((tmp_path / "results.json").read_text())) == 2

@@ -17,6 +17,12 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true", help="smaller run (minutes, not tens of minutes)")
     p.add_argument("--out", default=None, help="output folder (default runs/reproduce-NAME)")
     p.add_argument(
+        "--settings",
+        default=None,
+        help="banaserve: run only these settings, comma-separated (workload names such as docqa-uniform,phases-15, "
+        "or keys model/workload/arrival); settings already in --out are kept and reported",
+    )
+    p.add_argument(
         "--engine",
         default=None,
         help="engine profile for every cost model the experiment builds without one of its own "
@@ -30,8 +36,13 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from kvbalance.perf.engines import default_engine
 
+    kwargs = {}
+    if getattr(args, "settings", None):
+        if args.name != "banaserve":
+            raise SystemExit("--settings: banaserve only")
+        kwargs["settings"] = tuple(x.strip() for x in args.settings.split(",") if x.strip())
     with default_engine(args.engine):
-        results = mod.run(out, quick=args.quick)
+        results = mod.run(out, quick=args.quick, **kwargs)
     print(json.dumps(results, indent=2, sort_keys=True, default=str)[:4000])
     print(f"wrote {out}/results.json")
     return 0

@@ -288,20 +288,30 @@ def run(
     quick: bool = False,
     models: tuple[str, ...] | None = None,
     groups: tuple[str, ...] | None = None,
+    settings: tuple[str, ...] | None = None,
 ) -> dict:
-    """Run the reproduction into ``out_dir``; ``models`` / ``groups`` keep only those settings. Results are written
-    after each setting; settings already in ``out_dir/results.json`` are kept, not rerun."""
+    """Run the reproduction into ``out_dir``; ``models`` / ``groups`` keep only those settings, and ``settings``
+    those named (a key ``model/workload/arrival`` or a workload name: every arrival and model of it). Results are
+    written after each setting; settings already in ``out_dir/results.json`` are kept, not rerun (and reported
+    whatever the filter)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvbalance.reproduce.banaserve_report import write_plots, write_readme
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    names = settings
     settings = [s for s in SETTINGS if (s.quick or not quick)]
     if models is not None:
         settings = [s for s in settings if s.model in models]
     if groups is not None:
         settings = [s for s in settings if s.group in groups]
+    if names is not None:
+        unknown = set(names) - {n for s in SETTINGS for n in (s.key, s.name)}
+        if unknown:
+            raise ValueError(f"unknown settings {sorted(unknown)}: names are {sorted({s.name for s in SETTINGS})}"
+                             " or keys model/workload/arrival")  # fmt: skip
+        settings = [s for s in settings if s.key in names or s.name in names]
     rows: list[dict] = []
     meta: dict[str, Any] = {"settings": {}, "wall_s": 0.0, "cpu_s": 0.0, "simulated_runs": 0}
     if (out / "results.json").exists() and (out / "meta.json").exists():
@@ -343,7 +353,7 @@ def run(
             r, split, n = _one_setting(st, quick, splits.get((st.model, st.name)), tick)
             splits[(st.model, st.name)] = split
             rows += r
-            meta["settings"][st.key] = n
+            meta["settings"][st.key] = n | {"code": _code_state()}
             save()
             bar.advance(task)
     save()
@@ -351,6 +361,21 @@ def run(
     write_readme(out, rows, meta)
     return {"rows": len(rows), "wall_s": meta["wall_s"], "cpu_s": meta["cpu_s"], "simulated_runs": runs[0],
             "out": str(out)}  # fmt: skip
+
+
+def _code_state() -> str | None:
+    """The commit the setting was measured at (``+dirty`` with uncommitted changes under kvbalance/ but offline/), if in git."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvbalance", ":!kvbalance/offline"], cwd=root, capture_output=True,
+                               text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def _engine_name() -> str:
