@@ -43,6 +43,7 @@ def test_reproduction_runs_every_system_and_writes_its_report(two_gpus, tmp_path
     assert len(note["best_static_per_phase"]) == 2 and note["split"] == [1, 1, 1, 1]
     text = (tmp_path / "README.md").read_text()
     assert "1.2-3.9x" in text and "migration_share_max_rate" in text and "Best static split per phase" in text
+    assert "Checks (issue 24)" in text and "b_banaserve_vs_best_static_run" in text and "Measured at" in text
     for png in ("max_rate.png", "curves.png", "utilization.png", "controller.png", "hot_spot.png",
                 "slo_attainment.png", "migrations.png"):  # fmt: skip
         assert (tmp_path / png).stat().st_size > 0
@@ -79,3 +80,21 @@ def test_settings_filter_runs_only_the_named_ones_and_keeps_the_rest(monkeypatch
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert set(meta["settings"]) == {TINY.key, other.key} and "code" in meta["settings"][TINY.key]
     assert len(json.loads((tmp_path / "results.json").read_text())) == 2
+
+
+def test_checks_of_issue_24_by_hand():
+    from kvbalance.reproduce.banaserve_report import checks
+
+    def row(system, rate, **kw):
+        return {"model": "m", "workload": "phases-15", "arrival": "poisson", "system": system,
+                "max_rate_at_slo_rps": rate, "prefix_hit_rate": 0.5, **kw}  # fmt: skip
+
+    group = [row("vllm", 10.0), row("kvbalance", 11.0), row("distserve", 8.0),
+             row("banaserve", 10.0, per_phase_max_rate_rps=[5.0, 12.0])]  # fmt: skip
+    c = checks(group, {"best_static_per_phase": [4.0, 12.5]})
+    assert c["a_met"] and c["a_needed"] == 1.0 and abs(c["a_kvbalance_vs_vllm"] - 1.1) < 1e-12
+    assert c["b_banaserve_vs_best_static_per_phase"] == [1.25, 12.0 / 12.5] and not c["b_met"]
+    assert c["b_banaserve_vs_best_static_run"] == 1.25 and c["c_met"]
+    docqa = [dict(r, workload="docqa-zipf") for r in group[:2]]
+    assert checks(docqa, {})["a_needed"] == 1.2 and not checks(docqa, {})["a_met"]
+    assert not checks([row("vllm", 1.0), row("kvbalance", 1.0, store_hit_rate=1.5)], {})["c_met"]

@@ -71,6 +71,35 @@ def ratios(group: list[dict]) -> dict[str, float | None]:
     return out
 
 
+HIT_KEYS = ("prefix_hit_rate", "store_hit_rate", "decode_local_hit_rate")
+
+
+def checks(group: list[dict], note: dict) -> dict[str, Any]:
+    """Issue 24's checks on one setting: (a) ``kvbalance`` over vLLM's best router (>= 1.2 on the reuse
+    workloads ``docqa-*``, >= 1 elsewhere); (b) on phase-shifting loads, ``banaserve`` per phase over the best
+    static split of that phase (>= 1 each) and over the run against the best single static split (DistServe's
+    search: >= 1.2); (c) every hit ratio within [0, 1]."""
+    by = {r["system"]: r for r in group if "not_run" not in r}
+    wl = group[0]["workload"]
+
+    def mr(name):
+        return by[name]["max_rate_at_slo_rps"] if name in by else None
+
+    need = 1.2 if wl.startswith("docqa") else 1.0
+    a = _ratio(mr("kvbalance"), mr("vllm"))
+    out: dict[str, Any] = {"a_kvbalance_vs_vllm": a, "a_needed": need, "a_met": a is not None and a >= need}
+    if note.get("best_static_per_phase") and "banaserve" in by:
+        per = by["banaserve"].get("per_phase_max_rate_rps") or []
+        phase = [_ratio(x, b) for x, b in zip(per, note["best_static_per_phase"])]
+        run = _ratio(mr("banaserve"), mr("distserve"))
+        out.update({"b_banaserve_vs_best_static_per_phase": phase, "b_banaserve_vs_best_static_run": run,
+                    "b_met": bool(phase) and all(x is not None and x >= 1 for x in phase)
+                    and run is not None and run >= 1.2})  # fmt: skip
+    hits = [r[k] for r in by.values() for k in HIT_KEYS if r.get(k) is not None]
+    out["c_met"] = all(0 <= h <= 1 for h in hits)
+    return out
+
+
 def decision_counts(trace: dict | None) -> dict[str, int]:
     """How often the controller took each decision or skipped for each reason (numbers stripped)."""
     import re
@@ -125,7 +154,8 @@ def write_readme(out: Path, rows: list[dict], meta: dict) -> None:
                   + ", ".join(f"{k} {_fmt(x)}" for k, x in note.get("vllm_routers", {}).items())
                   + "; 2024's (no chunked prefill): "
                   + ", ".join(f"{k} {_fmt(x)}" for k, x in note.get("vllm-v0_routers", {}).items())
-                  + " (- = pruned: misses the SLO at the best rate found).", ""]  # fmt: skip
+                  + " (- = pruned: misses the SLO at the best rate found)."
+                  + (f" Measured at: {note['code']}." if note.get("code") else ""), ""]  # fmt: skip
         if note.get("router_hot_spot"):
             lines += ["Hot-spot ratio per router at vLLM's max rate: "
                       + ", ".join(f"{k} {_fmt(x)}" for k, x in note["router_hot_spot"].items()) + ".", ""]  # fmt: skip
@@ -137,6 +167,10 @@ def write_readme(out: Path, rows: list[dict], meta: dict) -> None:
                 lines.append("| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |")
         rat = ratios(group)
         lines += ["", "Ratios: " + ", ".join(f"{k} {_fmt(v)}" for k, v in rat.items()), ""]
+        lines += [
+            "Checks (issue 24): " + ", ".join(f"{k} {_fmt(v)}" for k, v in checks(group, note).items()),
+            "",
+        ]
         for r in group:
             if r.get("controller_trace"):
                 counts = decision_counts(r["controller_trace"])
