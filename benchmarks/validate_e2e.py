@@ -18,8 +18,13 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from kvbalance.perf.engines import get_engine
+from kvbalance.request import Request, SamplingParams
 from kvbalance.sim.run import SimulateConfig, run_simulation
+from kvbalance.workloads.presets import describe_workload
+from kvbalance.workloads.tokens import unique_prompt
 
 GPT_FAST = "https://github.com/pytorch-labs/gpt-fast (README, Benchmarks; commit 0f925b5)"
 GPT_FAST_NOTE = (
@@ -34,9 +39,30 @@ LATENCY_NOTE = (
     "benchmark_latency: 8 prompts of 32 tokens, 128 output tokens each, dummy weights, mean of 15 runs"
 )
 THROUGHPUT_NOTE = (
-    "benchmark_throughput: 200 ShareGPT prompts (their own lengths, Llama tokenizer; simulated: 200 pairs "
-    "from the vLLM artifact's ShareGPT lengths, OPT tokenizer, 5 seeds), all at once"
+    "benchmark_throughput: 200 ShareGPT prompts, their own output lengths (ignore_eos), all at once, no chunked "
+    "prefill, no prefix caching; 42,659 prompt + 43,545 output tokens (Llama-3 tokenizer); simulated: 200 "
+    "pairs from the vLLM artifact's ShareGPT lengths (vLLM's filter), scaled to those totals, 5 seeds"
 )
+# What vLLM's CI throughput test ran (.buildkite/nightly-benchmarks/tests/throughput-tests.json: --dataset
+# ShareGPT_V3_unfiltered_cleaned_split.json --num-prompts 200 --load-format dummy, nothing else) through
+# benchmarks/benchmark_throughput.py of the 0.6 line (vllm-project/vllm at 018efffd, September 2024):
+# - sample_requests: random.seed(0), shuffle, first two turns, tokenised with the model's tokenizer, pairs
+#   dropped where prompt < 4 or output < 4 or prompt > 1024 or prompt + output > 2048; the first 200 kept;
+# - SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len): every request runs
+#   to its completion's length;
+# - LLM(...) with --enable-chunked-prefill / --enable-prefix-caching store_true flags, so both are passed
+#   False explicitly: V0's EngineArgs turns chunked prefill on for long contexts only when it is None, so the
+#   128K Llama-3.1-8B runs without it too (max_num_batched_tokens = max_model_len); max_num_seqs 256,
+#   gpu_memory_utilization 0.9, num_scheduler_steps 1 (no multi-step), CUDA graphs (enforce_eager off).
+# The 200 pairs that sampler picks total 42,659 prompt and 43,545 output tokens under the Llama-3 tokenizer:
+# vLLM's benchmark_throughput.py run in vllm-project/vllm-ascend's docs (developer_guide/evaluation/
+# performance_benchmark.md, Meta-Llama-3.1-8B-Instruct: "Total num prompt tokens: 42659, Total num output
+# tokens: 43545"); benchmark_serving's ShareGPT sampler (the same procedure) reports the same 42,659 input
+# tokens with the Llama-3.3-70B tokenizer. The artifact's pairs (all of ShareGPT's turns, OPT tokenizer, means
+# 161 / 338) are a different population: 200 of them hold 25-43K prompt and 65-76K output tokens.
+VLLM_SHAREGPT_PROMPTS = 200
+VLLM_SHAREGPT_PROMPT_TOKENS = 42_659
+VLLM_SHAREGPT_OUTPUT_TOKENS = 43_545
 
 
 @dataclass(frozen=True)
@@ -85,26 +111,57 @@ ROWS: tuple[Row, ...] = (
         "batch_latency_s", 2.44447, "s", {"batch": 8, "prompt": 32, "output": 128},
         LATENCY_NOTE + "; Llama-3-70B (same shapes as llama-3.1-70b)"),
     Row("vllm-ci-a100-8b-throughput", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-8b", "a100-80gb",
-        1, "offline_rps", 11.0567, "req/s", {"requests": 200, "chunked": True}, THROUGHPUT_NOTE),
+        1, "offline_rps", 11.0567, "req/s", {"requests": 200}, THROUGHPUT_NOTE),
     Row("vllm-ci-a100-70b-throughput", VLLM_CI_A100, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-70b",
-        "a100-80gb", 4, "offline_rps", 4.78859, "req/s", {"requests": 200, "chunked": False, "max_context": 8192},
-        THROUGHPUT_NOTE + "; Llama-3-70B, 8K context: no chunked prefill"),
+        "a100-80gb", 4, "offline_rps", 4.78859, "req/s", {"requests": 200, "max_context": 8192},
+        THROUGHPUT_NOTE + "; Llama-3-70B (8K context)"),
     Row("vllm-ci-h200-8b-throughput", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-8b", "h200", 1,
-        "offline_rps", 22.5674, "req/s", {"requests": 200, "chunked": True}, THROUGHPUT_NOTE),
+        "offline_rps", 22.5674, "req/s", {"requests": 200}, THROUGHPUT_NOTE),
     Row("vllm-ci-h200-70b-throughput", VLLM_CI_H200, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-70b", "h200", 4,
-        "offline_rps", 9.83905, "req/s", {"requests": 200, "chunked": False, "max_context": 8192},
-        THROUGHPUT_NOTE + "; Llama-3-70B, 8K context: no chunked prefill"),
+        "offline_rps", 9.83905, "req/s", {"requests": 200, "max_context": 8192},
+        THROUGHPUT_NOTE + "; Llama-3-70B (8K context)"),
     Row("vllm-ci-h100-8b-throughput", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-8b", "h100-sxm", 1,
-        "offline_rps", 19.5005, "req/s", {"requests": 200, "chunked": True}, THROUGHPUT_NOTE),
+        "offline_rps", 19.5005, "req/s", {"requests": 200}, THROUGHPUT_NOTE),
     Row("vllm-ci-h100-70b-throughput", VLLM_CI_H100, VLLM_CI_VERSION, "vllm-v0.6", "llama-3.1-70b", "h100-sxm",
-        4, "offline_rps", 8.86239, "req/s", {"requests": 200, "chunked": False, "max_context": 8192},
-        THROUGHPUT_NOTE + "; Llama-3-70B, 8K context: no chunked prefill"),
+        4, "offline_rps", 8.86239, "req/s", {"requests": 200, "max_context": 8192},
+        THROUGHPUT_NOTE + "; Llama-3-70B (8K context)"),
 )  # fmt: skip
 
 # every vLLM CI row is also simulated under vllm-v0 (the A40-era profile, the default before issue 23)
 ROWS = tuple(Row(**(r.__dict__ | {"compare": ("vllm-v0",)})) if r.profile == "vllm-v0.6" else r for r in ROWS)
 
 SEEDS = tuple(range(5))
+
+
+def benchmark_sharegpt_requests(
+    seed: int,
+    n: int = VLLM_SHAREGPT_PROMPTS,
+    prompt_tokens: int = VLLM_SHAREGPT_PROMPT_TOKENS,
+    output_tokens: int = VLLM_SHAREGPT_OUTPUT_TOKENS,
+) -> list[Request]:
+    """``n`` requests standing for benchmark_throughput's ShareGPT sample, all at t = 0, each to its own
+    output length (ignore_eos). The texts are not in the artifact, so the pairs are drawn (seeded, with
+    replacement) from its ShareGPT lengths under the sampler's own filter (prompt and output >= 4, prompt <=
+    1024, prompt + output <= 2048), and their prompts and outputs are scaled so that the set holds the
+    sample's known totals; the filter's bounds still hold after scaling. The shape of the lengths, the
+    longest output above all, stays the artifact's: the seeds' spread is that uncertainty."""
+    lengths = describe_workload("sharegpt-trace")["lengths"]
+    ins, outs = lengths.inputs, lengths.outputs
+    keep = (ins >= 4) & (outs >= 4) & (ins <= 1024) & (ins + outs <= 2048)
+    ins, outs = ins[keep], outs[keep]
+    idx = np.random.default_rng(seed).integers(0, len(ins), size=n)
+    ins, outs = ins[idx].astype(np.float64), outs[idx].astype(np.float64)
+    p = np.clip(np.rint(ins * prompt_tokens / ins.sum()), 4, 1024).astype(np.int64)
+    o = np.clip(np.rint(outs * output_tokens / outs.sum()), 4, 2048 - p).astype(np.int64)
+    return [
+        Request(
+            f"sharegpt{seed}-{i:03d}",
+            unique_prompt(i, int(p[i])),  # prompts share nothing (and prefix caching is off, as in the run)
+            SamplingParams(max_tokens=int(o[i]), ignore_eos=True),
+            arrival_s=0.0,
+        )
+        for i in range(n)
+    ]
 
 
 def _config(row: Row, **kw) -> SimulateConfig:
@@ -126,13 +183,22 @@ def simulate(row: Row, profile: str | None = None, seeds: tuple[int, ...] = SEED
                       num_requests=w["batch"], enable_prefix_caching=False)  # fmt: skip
         return {"value": run_simulation(cfg, report=False).summary["makespan_s"], "seeds": []}
     if row.kind == "offline_rps":
-        vals = []
+        vals, runs = [], []
         for seed in seeds:
-            policy = {"policy": "sarathi", "chunk_size": 512} if w["chunked"] else {"policy": "vllm"}
+            # V0 without chunked prefill: whole prompts, max_num_batched_tokens = max(max_model_len, 2048)
             cfg = _config(row, workload="sharegpt-trace", rate=math.inf, num_requests=w["requests"], seed=seed,
-                          max_context=w.get("max_context"), **policy)  # fmt: skip
-            vals.append(run_simulation(cfg, report=False).summary["throughput_rps"])
-        return {"value": statistics.fmean(vals), "seeds": vals}
+                          max_context=w.get("max_context"), policy="vllm", enable_prefix_caching=False)  # fmt: skip
+            reqs = benchmark_sharegpt_requests(seed, w["requests"])
+            s = run_simulation(cfg, report=False, requests=reqs).summary
+            vals.append(s["throughput_rps"])
+            runs.append({
+                "seed": seed, "throughput_rps": s["throughput_rps"], "makespan_s": s["makespan_s"],
+                "prompt_tokens": sum(len(r.prompt_token_ids) for r in reqs),
+                "output_tokens": sum(r.sampling.max_tokens for r in reqs),
+                "longest_output": max(r.sampling.max_tokens for r in reqs),
+                "preemptions": s.get("preemptions"), "kv_capacity_tokens": s.get("kv_capacity_tokens"),
+            })  # fmt: skip
+        return {"value": statistics.fmean(vals), "seeds": vals, "runs": runs}
     raise ValueError(f"kind: unknown {row.kind!r} in row {row.id}")
 
 
@@ -187,6 +253,7 @@ def main() -> None:
             | {
                 "simulated": sim["value"],
                 "seeds": sim["seeds"],
+                "runs": sim.get("runs", []),
                 "error": sim["value"] / row.measured - 1.0,
                 "others": others,
             }
