@@ -142,17 +142,16 @@ def benchmark_sharegpt_requests(
     """``n`` requests standing for benchmark_throughput's ShareGPT sample, all at t = 0, each to its own
     output length (ignore_eos). The texts are not in the artifact, so the pairs are drawn (seeded, with
     replacement) from its ShareGPT lengths under the sampler's own filter (prompt and output >= 4, prompt <=
-    1024, prompt + output <= 2048), and their prompts and outputs are scaled so that the set holds the
-    sample's known totals; the filter's bounds still hold after scaling. The shape of the lengths, the
+    1024, prompt + output <= 2048), and their prompts, then their outputs, are scaled by one factor each so
+    that the set holds the sample's known totals within the filter's bounds (clipped at them). The shape of the lengths, the
     longest output above all, stays the artifact's: the seeds' spread is that uncertainty."""
     lengths = describe_workload("sharegpt-trace")["lengths"]
     ins, outs = lengths.inputs, lengths.outputs
     keep = (ins >= 4) & (outs >= 4) & (ins <= 1024) & (ins + outs <= 2048)
     ins, outs = ins[keep], outs[keep]
     idx = np.random.default_rng(seed).integers(0, len(ins), size=n)
-    ins, outs = ins[idx].astype(np.float64), outs[idx].astype(np.float64)
-    p = np.clip(np.rint(ins * prompt_tokens / ins.sum()), 4, 1024).astype(np.int64)
-    o = np.clip(np.rint(outs * output_tokens / outs.sum()), 4, 2048 - p).astype(np.int64)
+    p = _scaled_to_total(ins[idx], prompt_tokens, np.full(n, 1024))
+    o = _scaled_to_total(outs[idx], output_tokens, 2048 - p)
     return [
         Request(
             f"sharegpt{seed}-{i:03d}",
@@ -162,6 +161,23 @@ def benchmark_sharegpt_requests(
         )
         for i in range(n)
     ]
+
+
+def _scaled_to_total(x: np.ndarray, total: int, hi: np.ndarray, lo: int = 4) -> np.ndarray:
+    """``clip(rint(x * a), lo, hi)`` with the one factor ``a`` that brings the sum nearest ``total``
+    (bisection: the clipped sum grows with ``a``)."""
+    x = np.asarray(x, dtype=np.float64)
+
+    def scaled(a: float) -> np.ndarray:
+        return np.clip(np.rint(x * a), lo, hi).astype(np.int64)
+
+    a_lo, a_hi = 0.0, 2.0 * total / x.sum()
+    while scaled(a_hi).sum() < total and a_hi < 1e6:
+        a_hi *= 2.0
+    for _ in range(60):
+        mid = 0.5 * (a_lo + a_hi)
+        a_lo, a_hi = (mid, a_hi) if scaled(mid).sum() < total else (a_lo, mid)
+    return min((scaled(a_lo), scaled(a_hi)), key=lambda v: abs(int(v.sum()) - total))
 
 
 def _config(row: Row, **kw) -> SimulateConfig:

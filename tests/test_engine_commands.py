@@ -204,3 +204,24 @@ def test_validation_harness_computes_gpt_fast_tokens_per_second_from_the_steps()
         ]
     )
     assert md.endswith("2 rows: median |error| 100.0%, worst 100.0%")
+
+
+def test_validation_throughput_requests_hold_the_benchmark_samples_totals_within_its_filter():
+    val = _load("validate_e2e")
+    from kvbalance.workloads.presets import SHAREGPT_LENGTHS_CSV, default_traces_dir
+
+    if not (default_traces_dir() / SHAREGPT_LENGTHS_CSV).is_file():
+        pytest.skip(f"ShareGPT lengths trace not found in {default_traces_dir()}")
+    for seed in (0, 3):
+        reqs = val.benchmark_sharegpt_requests(seed)
+        p = [len(r.prompt_token_ids) for r in reqs]
+        o = [r.sampling.max_tokens for r in reqs]
+        assert len(reqs) == val.VLLM_SHAREGPT_PROMPTS == 200
+        # benchmark_throughput's sample: 42,659 prompt and 43,545 output tokens (to the rounding)
+        assert abs(sum(p) - val.VLLM_SHAREGPT_PROMPT_TOKENS) <= 2
+        assert abs(sum(o) - val.VLLM_SHAREGPT_OUTPUT_TOKENS) <= 2
+        assert min(p) >= 4 and min(o) >= 4 and max(p) <= 1024 and max(a + b for a, b in zip(p, o)) <= 2048
+        assert all(r.arrival_s == 0.0 and r.sampling.ignore_eos for r in reqs)
+        assert len({tuple(r.prompt_token_ids[:4]) for r in reqs}) == 200  # no shared prefixes
+        assert [r.sampling.max_tokens for r in val.benchmark_sharegpt_requests(seed)] == o  # seeded
+    assert [r.sampling.max_tokens for r in val.benchmark_sharegpt_requests(0)] != o  # seeds differ

@@ -163,6 +163,17 @@ def test_host_work_terms_and_tensor_parallel_extra():
     assert v0.host_work_s(hw, 10, 100, 4) == hw.host_overhead_s(10, 100, 4)
 
 
+def test_vllm_v06_pays_no_tensor_parallel_host_term_where_vllm_v0_pays_v02s_broadcast():
+    # v0.2's pickled-metadata broadcast (the A40 fit's tp > 1 terms) is gone in 0.6: shared-memory queue +
+    # NCCL tensors; vllm-v0 keeps the A40 data's terms
+    hw = get_gpu("h100-sxm")
+    v06, v0 = get_engine("vllm-v0.6"), get_engine("vllm-v0")
+    for seqs in (1, 8, 200):
+        assert v06.host_work_s(hw, seqs, seqs, 4) == v06.host_work_s(hw, seqs, seqs, 1)
+        assert v0.host_work_s(hw, seqs, seqs, 4) > v0.host_work_s(hw, seqs, seqs, 1) + 1e-3
+    assert v06.host_work_s(hw, 200, 200, 1) == pytest.approx(1.0109e-3 + 200 * 3.658e-5)
+
+
 def test_cuda_graph_applies_by_token_count_or_to_small_decode_batches():
     v1, sgl = get_engine("vllm-v1"), get_engine("sglang")
     assert v1.uses_graph(512, 512) and v1.uses_graph(3, 512) and not v1.uses_graph(513, 513)
