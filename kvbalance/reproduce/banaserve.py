@@ -320,6 +320,7 @@ def run(
             meta = old_meta
             rows = json.loads((out / "results.json").read_text())
     done = {k for k in meta["settings"]}
+    code = _code_state()  # at the start: the code this process imported
     t0, c0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()[0]
     runs = [meta.get("simulated_runs", 0)]
     wall0, cpu0 = meta.get("wall_s", 0.0), meta.get("cpu_s", 0.0)
@@ -353,7 +354,7 @@ def run(
             r, split, n = _one_setting(st, quick, splits.get((st.model, st.name)), tick)
             splits[(st.model, st.name)] = split
             rows += r
-            meta["settings"][st.key] = n | {"code": _code_state()}
+            meta["settings"][st.key] = n | {"code": code}
             save()
             bar.advance(task)
     save()
