@@ -372,3 +372,31 @@ def test_cli_run_announces_the_model_load_before_the_first_line(tmp_path, capsys
     assert err[2].startswith("batch: 0/1 lines started") and "done" in err[-1]
     assert main([*argv, "--progress-every", "0"]) == 2
     assert "progress-every: must be >= 1" in capsys.readouterr().err
+
+
+def test_greedy_answers_in_a_batch_equal_each_prompt_run_alone(job, tmp_path):
+    """The batch runner's greedy tokens equal the same prompt run alone on a fresh engine (no other request
+    in its steps, nothing in its prefix cache): the kernels are batch-invariant (each output row is summed
+    in the same order whatever the rows beside it), so neither the batch nor the chunking changes a token."""
+    run_batch(job, tmp_path / "out.jsonl", LocalBackend(make_engine()), progress=False)
+    got = {
+        r["custom_id"]: r["response"]["body"]["choices"][0]["token_ids"]
+        for r in read_out(tmp_path / "out.jsonl")
+        if r["response"] and r["response"]["status_code"] == 200
+    }
+    alone = {}
+    for text in job.read_text().splitlines():
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if obj.get("custom_id") not in got or obj["custom_id"] in alone:
+            continue
+        eng, body = make_engine(), obj["body"]
+        ids = eng.chat_prompt(body["messages"]) if "messages" in body else eng.encode(body["prompt"])
+        req = eng.add_request(ids, SamplingParams(max_tokens=body["max_tokens"], stop=body.get("stop", [])))
+        while eng.has_unfinished():
+            eng.step()
+        alone[obj["custom_id"]] = req.output_token_ids
+    assert len(alone) == len(got) == 16
+    assert alone == got

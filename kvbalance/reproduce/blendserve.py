@@ -22,7 +22,8 @@ makespan_s, sharing_ratio, optimal_fraction`` (practical optimum / makespan), ``
 makespan) and ``step_imbalance``. Rows are written as they finish; a rerun into the same folder skips the rows
 already there (``resume``), so a long run can be stopped and resumed. Same seed -> same numbers.
 
-Run a part: ``python -m kvbalance.reproduce.blendserve --requests 64000 --experiments main,no-host --out DIR``.
+Run a part: ``python -m kvbalance.reproduce.blendserve --requests 64000 --experiments main,no-host --out DIR``
+(``--planners vllm-dfs,nanoflow-dfs,blendserve`` limits the main experiment to those systems).
 """
 
 from __future__ import annotations
@@ -217,10 +218,16 @@ def _run_one(
     return row, res
 
 
-def _plan_work(sc: Scale, exps: Sequence[str], traces: Sequence[str]) -> list[tuple]:
-    """Every run as (experiment, model, tp, trace, n, planner, opts, variant, engine changes, grid point)."""
+def _plan_work(
+    sc: Scale, exps: Sequence[str], traces: Sequence[str], planners: Sequence[str] | None = None
+) -> list[tuple]:
+    """Every run as (experiment, model, tp, trace, n, planner, opts, variant, engine changes, grid point).
+    ``planners`` limits the main experiment to those systems (its ablations run only if it names
+    ``ablations``); None runs them all."""
     work: list[tuple] = []
     main_planners = [(p, {}, "default") for p in PAPER_SYSTEMS] + list(ABLATIONS)
+    if planners is not None:
+        main_planners = [w for w in main_planners if ("ablations" if w in ABLATIONS else w[0]) in planners]
     for trace in traces:
         if "main" in exps:
             for p, o, v in main_planners:
@@ -281,6 +288,7 @@ def run(
     experiments: Sequence[str] = EXPERIMENTS,
     traces: Sequence[str] = tuple(TRACES),
     resume: bool = True,
+    planners: Sequence[str] | None = None,
 ) -> dict:
     from kvbalance.offline.report import write_grid_heatmap, write_readme, write_utilisation_plot
 
@@ -290,11 +298,14 @@ def run(
     for t in traces:
         if t not in TRACES:
             raise ValueError(f"traces: unknown {t!r} (known: {', '.join(TRACES)})")
+    for p in planners or ():
+        if p not in PAPER_SYSTEMS and p != "ablations":
+            raise ValueError(f"planners: unknown {p!r} (known: {', '.join(PAPER_SYSTEMS)}, ablations)")
     sc = scale or (QUICK if quick else FULL)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = Rows(out_dir / "results.json", resume)
-    work = _plan_work(sc, experiments, traces)
+    work = _plan_work(sc, experiments, traces, planners)
     todo = [w for w in work if not rows.has(**_key(w))]
     bar = Progress(len(todo))
     jobs = Jobs()
@@ -415,6 +426,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sizes", default=None, help="size sweep, comma-separated (default: the scale's)")
     ap.add_argument("--experiments", default=",".join(EXPERIMENTS))
     ap.add_argument("--traces", default=",".join(TRACES))
+    ap.add_argument(
+        "--planners",
+        default=None,
+        help="main experiment's systems, comma-separated, 'ablations' for its ablation rows (default: all)",
+    )
     ap.add_argument("--engine", default=None, help="engine profile for the cost models (default: vllm-v1)")
     ap.add_argument("--no-resume", action="store_true")
     args = ap.parse_args(argv)
@@ -435,6 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             experiments=[e for e in args.experiments.split(",") if e],
             traces=[t for t in args.traces.split(",") if t],
             resume=not args.no_resume,
+            planners=[p for p in args.planners.split(",") if p] if args.planners else None,
         )
     print(json.dumps(res, indent=1, default=float))
     return 0
