@@ -90,6 +90,31 @@ def breakdown_total_s(b: StepBreakdown) -> float:
     return b.compute_s + b.memory_s + b.overhead_s + b.comm_s + b.transfer_s
 
 
+def tally(seqs: Sequence[SeqWork]) -> tuple[int, int, int, int, float, int, int]:
+    """A step's sums over its sequences: (tokens, sampled sequences, prefill-chunk tokens, their summed
+    context, the (query, key) pairs they attend causally, decode sequences, their summed context). Checks each
+    sequence (a named error for a chunk of no tokens or a context shorter than it)."""
+    tokens = sampled = pre_tokens = pre_ctx = dec_seqs = dec_ctx = 0
+    pre_pairs = 0.0
+    for n, ctx, sample in seqs:
+        if n < 1:
+            raise ValueError(f"num_new_tokens: must be >= 1, got {n}")
+        if ctx < n:
+            raise ValueError(f"context_len: {ctx} is smaller than num_new_tokens {n}")
+        tokens += n
+        if sample:
+            sampled += 1
+        if n == 1:
+            dec_seqs += 1
+            dec_ctx += ctx
+        else:
+            pre_tokens += n
+            pre_ctx += ctx
+            # token i of the chunk (0-based) sees ctx - n + i + 1 keys
+            pre_pairs += n * (ctx - n) + n * (n + 1) / 2
+    return tokens, sampled, pre_tokens, pre_ctx, pre_pairs, dec_seqs, dec_ctx
+
+
 def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
     """KV heads each TP rank stores (replicated when there are fewer KV heads than ranks)."""
     return max(model.num_kv_heads // tp, 1)
@@ -228,29 +253,7 @@ class CostModel:
     def op_counts(self, seqs: Sequence[SeqWork]) -> list[OpCount]:
         """Per-GPU work of every operator for a step over ``seqs`` (in ``OP_NAMES`` order, absent ones left out)."""
         m, dt, L = self.model, self._dt, self.model.num_layers
-        tokens = 0
-        sampled = 0
-        pre_tokens = 0
-        pre_pairs = 0.0  # (query, key) pairs attended by prefill-chunk tokens, causal
-        pre_ctx = 0
-        dec_seqs = 0
-        dec_ctx = 0
-        for n, ctx, sample in seqs:
-            if n < 1:
-                raise ValueError(f"num_new_tokens: must be >= 1, got {n}")
-            if ctx < n:
-                raise ValueError(f"context_len: {ctx} is smaller than num_new_tokens {n}")
-            tokens += n
-            if sample:
-                sampled += 1
-            if n == 1:
-                dec_seqs += 1
-                dec_ctx += ctx
-            else:
-                pre_tokens += n
-                pre_ctx += ctx
-                # token i of the chunk (0-based) sees ctx - n + i + 1 keys
-                pre_pairs += n * (ctx - n) + n * (n + 1) / 2
+        tokens, sampled, pre_tokens, pre_ctx, pre_pairs, dec_seqs, dec_ctx = tally(seqs)
         if tokens == 0:
             return []
         T = float(tokens)
@@ -328,23 +331,7 @@ class CostModel:
         memo = self._step_memo
         if memo is None:
             return self._step_plain(seqs)
-        tokens = sampled = pre_tokens = pre_ctx = dec_seqs = dec_ctx = 0
-        pre_pairs = 0.0
-        for n, ctx, sample in seqs:  # op_counts' tally: same checks, same arithmetic
-            if n < 1:
-                raise ValueError(f"num_new_tokens: must be >= 1, got {n}")
-            if ctx < n:
-                raise ValueError(f"context_len: {ctx} is smaller than num_new_tokens {n}")
-            tokens += n
-            if sample:
-                sampled += 1
-            if n == 1:
-                dec_seqs += 1
-                dec_ctx += ctx
-            else:
-                pre_tokens += n
-                pre_ctx += ctx
-                pre_pairs += n * (ctx - n) + n * (n + 1) / 2
+        tokens, sampled, pre_tokens, pre_ctx, pre_pairs, dec_seqs, dec_ctx = tally(seqs)
         if tokens == 0:
             return StepBreakdown()
         terms = memo.get(tokens)
