@@ -388,3 +388,27 @@ def test_weights_overwritten_in_place_are_packed_again():
         layer.weight.copy_(torch.randn(48, 32, generator=g))  # e.g. weights migrated in from another executor
     with torch.inference_mode():
         torch.testing.assert_close(llama.linear(x, layer), x @ layer.weight.T, atol=1e-5, rtol=1e-5)
+
+
+def test_smollm2_converts_from_its_gguf_into_a_fresh_cache(tmp_path, monkeypatch):
+    """A fresh machine has no converted copy: the torch extra alone must turn the shipped GGUF into weights
+    (transformers needs ``accelerate`` for GGUF files; without it ``serve --model smollm2-135m`` failed on
+    first use while every test here ran on a cache converted earlier)."""
+    from kvbalance.model.weights import SMOLLM2_NAME, load_smollm2, smollm2_gguf_path
+    from kvbalance.specs import get_model
+
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("KVBALANCE_CACHE", str(tmp_path))
+    loaded = load_smollm2(with_tokenizer=True)
+    assert (tmp_path / SMOLLM2_NAME / "config.json").is_file()
+    spec, cfg = get_model("smollm2-135m"), loaded.config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == (
+        spec.num_layers,
+        spec.hidden_size,
+        spec.vocab_size,
+    )
+    assert loaded.tokenizer.encode("Hello") and not loaded.random_weights
+    assert all(torch.isfinite(t).all() for t in loaded.state_dict.values())
