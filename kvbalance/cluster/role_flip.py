@@ -43,6 +43,19 @@ halved throughput to the end of the run, 5.4 vs 9.2 req/s: the one decode instan
 Flipping several instances at once (the k that lowers the peak most)
 was tried too and did worse (phases-15, llama-13b, 4P + 4D at 42 req/s: SLO attainment 0.53 against 0.79
 one at a time): the signals lag the flips, and a jump overshoots.
+
+Where flips lose (measured, llama-13b 8 x A100, from 4P + 4D, ``reproduce banaserve``'s
+workbench): on ``phases-15`` the flips carry the first prefill-heavy period (at 36 req/s its requests all meet
+the SLOs, against 202 of 327 missing TTFT under static 4P + 4D) but lose the second one, after a decode-heavy
+period: the decode-heavy period took the cluster to 2P + 6D, and at its end the flips back to prefill took
+instances each still holding 115-128 running decodes (41-57k KV tokens), whose 256-512-token
+answers outlive the 15 s period; those residents share every step with the new prompts' chunks, and the new
+hand-offs crowd onto the one decode instance left (7P + 1D at 34.5 s), so 213 of 294 requests miss TPOT and 97
+TTFT (attainment 0.88 against 4P + 4D's 0.88 at 36 req/s; 0.91 against 1.0 at 30 req/s). The
+decode -> prefill prediction counts neither: the flipped instance as a whole prefill instance, the other
+decode instances at their present pressure without the hand-offs they inherit. On ``phases-30`` the same
+period costs less (requests missing an SLO: at most 153 against static 4P + 4D's 179 at 30 req/s, at most 646
+against at least 1,340 at 36 req/s): the residents drain within the longer period.
 """
 
 from __future__ import annotations
