@@ -35,7 +35,11 @@ def test_reproduction_runs_every_system_and_writes_its_report(two_gpus, tmp_path
     assert "migration=role flips" in by["banaserve"]["config"]
     assert "migration=layer+attention" in by["banaserve-paper"]["config"]
     assert len(by["banaserve"]["per_phase_max_rate_rps"]) == 2
-    assert by["banaserve"]["controller_trace"]["reason"]
+    series = json.loads((tmp_path / "series.json").read_text())  # the time series, beside the rows
+    assert not any(k in r for r in rows for k in bana.SERIES_KEYS)
+    assert series[bana._row_key(by["banaserve"])]["controller_trace"]["reason"]
+    joined = {bana._row_key(r): r for r in bana.join_series(rows, series)}
+    assert series and all(joined[k].items() >= v.items() for k, v in series.items())
     meta = json.loads((tmp_path / "meta.json").read_text())
     note = meta["settings"][TINY.key]
     assert set(note["curves"]) == set(bana.MAIN) and len(note["curves"]["vllm"]) == 1
@@ -50,6 +54,7 @@ def test_reproduction_runs_every_system_and_writes_its_report(two_gpus, tmp_path
     again = bana.run(tmp_path, quick=True)  # the setting is there: nothing reruns
     assert again["simulated_runs"] == res["simulated_runs"]
     assert json.loads((tmp_path / "results.json").read_text()) == rows
+    assert json.loads((tmp_path / "series.json").read_text()) == series  # read back with the rows, kept
 
 
 def test_settings_filter_runs_only_the_named_ones_and_keeps_the_rest(monkeypatch, tmp_path):

@@ -58,6 +58,10 @@ from kvbalance.workloads.presets import parse_workload
 GPU = "a100-80gb"
 NUM_GPUS = 8
 SEED = 0
+# per-run time series: kept in series.json beside results.json, which holds the rows' figures (the series are
+# megabytes on a full run; the plots show them, and a run's folder reads without them: those plots then leave
+# the rows without series out)
+SERIES_KEYS = ("busy_series", "controller_trace")
 ARRIVALS = {"poisson": ("poisson", 1.0), "bursty": ("gamma", 4.0)}
 PAPER = {  # BanaServe's reported ranges
     "throughput_vs_vllm": "1.2-3.9x",
@@ -283,6 +287,25 @@ def _one_setting(st: Setting, quick: bool, split, tick) -> tuple[list[dict], tup
     return rows, split, notes
 
 
+def _row_key(row: dict) -> str:
+    return "/".join(str(row[k]) for k in ("model", "workload", "arrival", "system"))
+
+
+def split_series(rows: list[dict]) -> tuple[list[dict], dict[str, dict]]:
+    """(rows without their time series, {model/workload/arrival/system: the series})."""
+    series = {
+        _row_key(r): {k: r[k] for k in SERIES_KEYS if k in r}
+        for r in rows
+        if any(k in r for k in SERIES_KEYS)
+    }
+    return [{k: v for k, v in r.items() if k not in SERIES_KEYS} for r in rows], series
+
+
+def join_series(rows: list[dict], series: dict[str, dict]) -> list[dict]:
+    """:func:`split_series` undone (rows whose series are not there stay without)."""
+    return [r | series.get(_row_key(r), {}) for r in rows]
+
+
 def run(
     out_dir: Path,
     quick: bool = False,
@@ -319,6 +342,8 @@ def run(
         if old_meta.get("quick") == quick:
             meta = old_meta
             rows = json.loads((out / "results.json").read_text())
+            if (out / "series.json").exists():
+                rows = join_series(rows, json.loads((out / "series.json").read_text()))
     done = {k for k in meta["settings"]}
     code = _code_state()  # at the start: the code this process imported
     t0, c0, load0 = time.perf_counter(), time.process_time(), os.getloadavg()[0]
@@ -331,7 +356,9 @@ def run(
                      "load_average": f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end",
                      "simulated_runs": runs[0], "sizes": _sizes(quick) | {"prefill": list(_sizes(quick)["prefill"])},
                      "engine": _engine_name()})  # fmt: skip
-        (out / "results.json").write_text(json.dumps(to_json_value(rows), indent=1, default=str))
+        slim, series = split_series(to_json_value(rows))
+        (out / "results.json").write_text(json.dumps(slim, indent=1, default=str))
+        (out / "series.json").write_text(json.dumps(series, default=str))
         (out / "meta.json").write_text(json.dumps(to_json_value(meta), indent=1, default=str))
 
     with Progress(
