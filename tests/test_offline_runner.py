@@ -270,12 +270,9 @@ def test_warmup_samples_are_real_outputs_and_not_generated_again(job, tmp_path):
     assert comparable(read_out(tmp_path / "out.jsonl")) == comparable(read_out(tmp_path / "fcfs.jsonl"))
 
 
-@pytest.mark.slow
-def test_smollm2_batch_text_equals_offline_llm(tmp_path):
-    from kvbalance.llm import LLM
-
-    msgs = [[{"role": "user", "content": f"Name one fact about {c}."}] for c in ("Japan", "Peru")]
-    prompts = ["The capital of France is", "def fibonacci(n):"]
+def _run_greedy_chats_and_completions(llm, msgs: list, prompts: list[str], tmp_path) -> list[dict]:
+    """A Batch file of a greedy 12-token chat per message list, then a completion per prompt, run through
+    ``llm``'s engine; the output records in input order."""
     lines = [
         _req(f"chat{i}", "/v1/chat/completions", messages=m, max_tokens=12, temperature=0)
         for i, m in enumerate(msgs)
@@ -285,9 +282,18 @@ def test_smollm2_batch_text_equals_offline_llm(tmp_path):
         for i, p in enumerate(prompts)
     ]
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    llm = LLM("smollm2-135m", kv_cache_tokens=4096, num_threads=2)
     run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", LocalBackend(llm.engine), progress=False)
-    records = read_out(tmp_path / "out.jsonl")
+    return read_out(tmp_path / "out.jsonl")
+
+
+@pytest.mark.slow
+def test_smollm2_batch_text_equals_offline_llm(tmp_path):
+    from kvbalance.llm import LLM
+
+    msgs = [[{"role": "user", "content": f"Name one fact about {c}."}] for c in ("Japan", "Peru")]
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    llm = LLM("smollm2-135m", kv_cache_tokens=4096, num_threads=2)
+    records = _run_greedy_chats_and_completions(llm, msgs, prompts, tmp_path)
     greedy = SamplingParams(max_tokens=12)
     want = [llm.chat(m, greedy)[0].text for m in msgs] + [o.text for o in llm.generate(prompts, greedy)]
     got = [r["response"]["body"]["choices"][0] for r in records]
@@ -420,18 +426,9 @@ def test_smollm2_batch_greedy_answers_equal_each_prompt_run_alone(tmp_path):
     )
     msgs = [[{"role": "user", "content": f"Name one fact about {t}."}] for t in topics]
     prompts = [f"A short note on {t}:" for t in topics]
-    lines = [
-        _req(f"chat{i}", "/v1/chat/completions", messages=m, max_tokens=12, temperature=0)
-        for i, m in enumerate(msgs)
-    ]
-    lines += [
-        _req(f"cmpl{i}", "/v1/completions", prompt=p, max_tokens=12, temperature=0)
-        for i, p in enumerate(prompts)
-    ]
-    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     llm = LLM("smollm2-135m", kv_cache_tokens=8192, num_threads=2)
-    run_batch(tmp_path / "in.jsonl", tmp_path / "out.jsonl", LocalBackend(llm.engine), progress=False)
-    got = [r["response"]["body"]["choices"][0]["token_ids"] for r in read_out(tmp_path / "out.jsonl")]
+    records = _run_greedy_chats_and_completions(llm, msgs, prompts, tmp_path)
+    got = [r["response"]["body"]["choices"][0]["token_ids"] for r in records]
     alone_llm = LLM("smollm2-135m", kv_cache_tokens=8192, num_threads=2, enable_prefix_caching=False)
     greedy = SamplingParams(max_tokens=12)
     want = [alone_llm.chat(m, greedy)[0].token_ids for m in msgs]

@@ -392,14 +392,14 @@ def run(
 
 
 def _code_state() -> str | None:
-    """The commit the setting was measured at (``+dirty`` with uncommitted changes under kvbalance/ but offline/), if in git."""
+    """The commit the setting was measured at (``+dirty`` with uncommitted changes under kvbalance/), if in git."""
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvbalance", ":!kvbalance/offline"], cwd=root, capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "kvbalance"], cwd=root, capture_output=True,
                                text=True, timeout=10).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
         return None

@@ -176,10 +176,8 @@ def write_readme(out: Path, rows: list[dict], meta: dict) -> None:
                 counts = decision_counts(r["controller_trace"])
                 lines += [f"Controller of `{r['system']}` at vLLM's max rate, per 0.5 s tick: "
                           + ", ".join(f"{k}: {v}" for k, v in counts.items()) + ".", ""]  # fmt: skip
-        for (
-            name,
-            again,
-        ) in note.items():  # a system measured again at a later commit (``<system>_remeasured``)
+        for name, again in note.items():
+            # a system measured again at a later commit (``<system>_remeasured``)
             if name.endswith("_remeasured") and isinstance(again, dict):
                 lines += [f"`{name.removesuffix('_remeasured')}` measured again at {again.get('code', '?')}: max rate "
                           f"at SLO {_fmt(again.get('max_rate_at_slo_rps'))} req/s ({again.get('what', '')}).", ""]  # fmt: skip
