@@ -63,7 +63,7 @@ def _bench(early_exit: bool) -> Workbench:
 def test_early_exit_gives_the_verdicts_and_the_rate_of_full_runs():
     cfg = ClusterConfig(instances=[InstanceGroup(count=2)], router="least_loaded")
     fast, full = _bench(True), _bench(False)
-    rates = (10.0, 30.0, 40.0)
+    rates = (10.0, 30.0, 50.0)
     assert [fast.passes(cfg, r) for r in rates] == [full.passes(cfg, r) for r in rates] == [True, True, False]
     assert fast.stopped_probes == 3 and full.stopped_probes == 0
     assert [e for *_, e in fast.probes[fast.key(cfg)]] == [False] * 3

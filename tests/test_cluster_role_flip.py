@@ -100,7 +100,7 @@ def test_prompt_heavy_load_flips_decode_instances_to_prefill_and_finishes_everyt
 
 
 def test_decode_heavy_load_flips_prefill_instances_to_decode():
-    res = _run("uniform:16-64:200-300", 30.0, 120)
+    res = _run("uniform:16-64:200-300", 50.0, 120)
     s = res.summary
     assert s["completed"] == 120
     assert any(f["to"] == "decode" for f in s["role_log"])

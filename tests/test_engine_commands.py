@@ -151,8 +151,12 @@ def test_gpu_provenance_says_which_gpus_have_their_own_fit(tmp_path):
         "own_fit": False,
         "borrowed_from": None,
         "shape_corrections": 0,
+        "measured_overrides": {},
         "summary": "no fit: datasheet peaks with estimated efficiencies",
     }
+    a100 = gpu_provenance("a100-80gb")
+    assert a100["borrowed_from"] == "a40" and a100["measured_overrides"] == {"memory_eff_max": 0.88}
+    assert "own measured memory_eff_max 0.88" in a100["summary"]
     path = tmp_path / "a100.json"
     get_gpu("a100-80gb").save(path)
     assert load_hardware(path).fitted_on == "a40"  # the field survives a preset file

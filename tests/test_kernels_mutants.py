@@ -110,7 +110,7 @@ def test_gemm_crossover_is_the_first_compute_bound_token_count():
         expect = _walk_crossover(cm, k, n)
         assert cm.gemm_crossover_tokens(gemm) == expect and isinstance(cm.gemm_crossover_tokens(gemm), int)
         assert cm.gemm_bound(expect - 1, gemm) == "memory" and cm.gemm_bound(expect, gemm) == "compute"
-    assert cm.gemm_crossover_tokens() == cm.gemm_crossover_tokens("mlp_up") == 44
+    assert cm.gemm_crossover_tokens() == cm.gemm_crossover_tokens("mlp_up") == 22
     assert cm.gemm_crossover_tokens("mlp_up", 4) == 4  # memory-bound at the limit: the limit
     slow = CostModel("llama-2-7b", dataclasses.replace(cm.gpu, peak_flops=1e9))
     assert slow.gemm_crossover_tokens() == 1  # compute-bound from one token on

@@ -96,7 +96,9 @@ def test_committed_migration_continues_on_the_destination_with_its_outputs_and_p
 def test_stages_shrink_as_live_migration_cost_says():
     c, req, mig = _run_one(cluster={"section": NEVER.model_copy(update={"last_stage_max_blocks": 1})})
     assert mig.outcome == "committed"
-    assert len(mig.stage_blocks) >= 2 and all(a > b for a, b in zip(mig.stage_blocks, mig.stage_blocks[1:]))
+    # the first stage copies the prompt's blocks, later ones only what the decode wrote meanwhile: they never grow
+    assert len(mig.stage_blocks) >= 2 and mig.stage_blocks[0] > mig.stage_blocks[1]
+    assert all(a >= b for a, b in zip(mig.stage_blocks, mig.stage_blocks[1:]))
     # the source decodes one token per step: the model's rate is 1 / its decode step time
     gaps = np.diff([t for t in req.token_times_s if t < mig.stop_s])
     pos0 = mig.stage_blocks[0] * 16
@@ -104,12 +106,14 @@ def test_stages_shrink_as_live_migration_cost_says():
         pos0, 1 / float(np.median(gaps)), 16, block_bytes(c.members[0]), SLOW, stop_copy_blocks=1
     )
     assert model.round_blocks[0] == mig.stage_blocks[0]
-    assert len(model.round_blocks) == len(mig.stage_blocks)
+    # the model counts tokens written per stage, the cluster the blocks they touch: a stage whose few tokens
+    # cross a block boundary dirties one block more, so one more round may run (within a block, one round)
+    assert abs(len(model.round_blocks) - len(mig.stage_blocks)) <= 1
     assert all(abs(a - b) <= 1 for a, b in zip(model.round_blocks, mig.stage_blocks))
 
 
 def test_request_finishing_during_the_copy_aborts_and_frees_the_reservation():
-    c, req, mig = _run_one(out=8, start_s=0.1)  # stage 0 (33 blocks, ~0.28 s) outlasts the last tokens
+    c, req, mig = _run_one(out=8, start_s=0.1)  # stage 0 (34 blocks, ~0.29 s) outlasts the last tokens
     assert mig.outcome == "finished" and mig.reserved_blocks > 0
     assert req.state is RequestState.FINISHED and req.num_output_tokens == 8 and c.assignment["r"] == 0
 
@@ -139,7 +143,7 @@ def _hog(inst, leave: int) -> None:
 
 
 def test_destination_out_of_blocks_aborts_at_the_start_or_at_a_later_stage():
-    for hog_s, leave, reserved in ((0.1, 10, 0), (0.25, 0, 33)):  # before the start / during stage 0
+    for hog_s, leave, reserved in ((0.1, 10, 0), (0.25, 0, 34)):  # before the start / during stage 0
         c = _cluster(kv_tokens=(16_000, 1024))  # 64 blocks: the request (712 tokens) fits an empty one
         dst = c.members[1].instance
         c.loop.at(hog_s, _hog, dst, leave)
