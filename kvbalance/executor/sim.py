@@ -160,8 +160,7 @@ class SimExecutor:
         shapes = self._shapes
         hit = shapes.get(key) if shapes is not None else None
         if hit is None:
-            seqs = [(1, context_sum - (num_seqs - 1), True)] + [(1, 1, True)] * (num_seqs - 1)
-            hit = self.cost_model.step(seqs)
+            hit = self.cost_model.decode_step(num_seqs, context_sum)
             if shapes is not None and len(shapes) < SHAPE_CACHE_MAX:
                 shapes[key] = hit
         compute_s = breakdown_total_s(hit)
@@ -186,7 +185,8 @@ class SimExecutor:
     def execute(self, plan: BatchPlan) -> StepResult:
         breakdown = self.predict(plan)
         compute_s = breakdown_total_s(breakdown)
-        moved_s = self.transfer_s(plan.kv_loads) + self.transfer_s(plan.kv_saves)
+        loads, saves = plan.kv_loads, plan.kv_saves
+        moved_s = self.transfer_s(loads) + self.transfer_s(saves) if loads or saves else 0.0
         breakdown.transfer_s = max(0.0, moved_s - compute_s) if self.overlap_transfers else moved_s
         duration = compute_s + breakdown.transfer_s
         bases = self._standin_base
@@ -197,13 +197,13 @@ class SimExecutor:
                 base = bases.get(rid)
                 if base is None:
                     base = bases[rid] = standin_token(rid, 0)
-                sampled[rid] = base + (s.context_len & _POS_MASK)
+                sampled[rid] = base + ((s.start + s.num_new_tokens) & _POS_MASK)
         self.num_steps += 1
         self.busy_s += duration
         return StepResult(
             duration_s=duration,
             sampled=sampled,
-            finished_loads=[t.request_id for t in plan.kv_loads],
-            finished_saves=[t.request_id for t in plan.kv_saves],
+            finished_loads=[t.request_id for t in loads] if loads else [],
+            finished_saves=[t.request_id for t in saves] if saves else [],
             breakdown=breakdown,
         )

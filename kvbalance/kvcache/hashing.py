@@ -273,7 +273,26 @@ class BlockHasher:
             prev_hash = self.root(block_size)
         if self.algo == "poly64":
             return prefix_block_hashes(tokens, block_size, start_block, prev_hash, n_full)
-        buf = token_bytes(tokens[start_block * block_size : n_full * block_size])
+        return self._chain(
+            token_bytes(tokens[start_block * block_size : n_full * block_size]), block_size, prev_hash
+        )
+
+    def token_bytes_hashes(self, data: bytes, block_size: int, start_block: int, prev_hash: int) -> list[int]:
+        """:meth:`prefix_block_hashes` of the full blocks ``data`` holds (tokens as :func:`token_bytes`), which
+        are blocks ``start_block``, ``start_block + 1``, ... of their sequence: for a caller that has the bytes."""
+        width = 8 * block_size
+        n = len(data) // width
+        if n == 0:
+            return []
+        if start_block == 0:
+            prev_hash = self.root(block_size)
+        if self.algo == "poly64":
+            tokens = _Offset(np.frombuffer(data, dtype="<i8", count=n * block_size), start_block * block_size)
+            return prefix_block_hashes(tokens, block_size, start_block, prev_hash, start_block + n)
+        return self._chain(data[: n * width], block_size, prev_hash)
+
+    def _chain(self, buf: bytes, block_size: int, prev_hash: int) -> list[int]:
+        """The chained digests of the blocks of ``buf`` (whole blocks of tokens as bytes) after ``prev_hash``."""
         width = 8 * block_size
         parent = prev_hash.to_bytes(_DIGEST_BYTES, "big")
         out: list[int] = []

@@ -29,6 +29,13 @@ from kvbalance.kvcache.prefix import RadixCache, RadixNode
 from kvbalance.request import Request
 
 
+def _token_bytes(req: Request, start: int, end: int) -> bytes:
+    """``token_bytes`` of the request's tokens ``[start, end)`` (prompt tokens straight from the prompt)."""
+    if end <= req.num_prompt_tokens:
+        return token_bytes(req.prompt_token_ids[start:end])
+    return token_bytes(req.token_ids(start, end))
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixHit:
     """A waiting request's longest cached prefix: the deepest cache node and its length in blocks."""
@@ -90,9 +97,7 @@ class KVCacheManager:
             return NO_HIT
         node, hit = self.cache.match_prefix(self.block_hashes(req, req.num_tokens - 1))
         if hit:  # the cached tokens must be the request's: a hash match alone is not enough
-            node, hit = self.cache.verify_tokens(
-                node, hit, token_bytes(req.token_ids(0, hit * self.block_size))
-            )
+            node, hit = self.cache.verify_tokens(node, hit, _token_bytes(req, 0, hit * self.block_size))
         if not hit:
             return NO_HIT
         return PrefixHit(node, hit, self.cache.unlocked_blocks_on_path(node))
@@ -156,17 +161,25 @@ class KVCacheManager:
         cache = self.cache
         if cache is None:
             return
-        full = req.num_computed_tokens // self.block_size
-        node, have = self._paths.get(req.request_id) or (cache.root, 0)
+        bs = self.block_size
+        full = req.num_computed_tokens // bs
+        rid = req.request_id
+        node, have = self._paths.get(rid) or (cache.root, 0)
         if full <= have:
             return
-        bs = self.block_size
-        hashes = self.block_hashes(req, full * bs)
-        node, _ = cache.extend(
-            node, have, hashes, req.block_ids, token_bytes(req.token_ids(have * bs, full * bs))
-        )
+        tokens = _token_bytes(req, have * bs, full * bs)  # what the cache keeps for the hit check
+        hashes = self._hashes.get(rid)
+        if hashes is None:
+            hashes = self._hashes[rid] = []
+        k = len(hashes)
+        if k < full:  # hash the blocks not hashed yet from the same bytes (blocks have..k are hashed)
+            if k < have:
+                raise RuntimeError(f"{req}: its cached path covers blocks it has no hashes for")
+            prev = hashes[-1] if k else 0
+            hashes.extend(self.hasher.token_bytes_hashes(tokens[(k - have) * 8 * bs :], bs, k, prev))
+        node, _ = cache.extend(node, have, hashes, req.block_ids, tokens, end=full)
         # where another request cached a block first, the cache keeps its copy and req keeps its own
-        self._paths[req.request_id] = (node, full)
+        self._paths[rid] = (node, full)
 
     def num_cached_blocks_of(self, req: Request) -> int:
         path = self._paths.get(req.request_id)

@@ -61,12 +61,13 @@ class RadixNode:
         return f"RadixNode(blocks={len(self.block_ids)}, lock_ref={self.lock_ref}, children={len(self.children)})"
 
 
-def _common_prefix(node_hashes: list[int], hashes: Sequence[int], i: int) -> int:
-    """Blocks of ``node_hashes`` equal to ``hashes[i:]`` from the start (>= 1 when the first matched).
+def _common_prefix(node_hashes: list[int], hashes: Sequence[int], i: int, n: int | None = None) -> int:
+    """Blocks of ``node_hashes`` equal to ``hashes[i:n]`` (``n``: default all) from the start (>= 1 when the
+    first matched).
 
     Prefix hashes are chained, so equality is monotone along the run: binary search the boundary.
     """
-    m = min(len(node_hashes), len(hashes) - i)
+    m = min(len(node_hashes), (len(hashes) if n is None else n) - i)
     if node_hashes[m - 1] == hashes[i + m - 1]:
         return m
     lo, hi = 1, m - 1  # node_hashes[lo - 1] matches, node_hashes[hi] does not
@@ -162,13 +163,15 @@ class RadixCache:
         return upper
 
     # -- lookup -----------------------------------------------------------------
-    def _next_run(self, node: RadixNode, hashes: Sequence[int], i: int) -> tuple[RadixNode | None, int]:
-        """The child of ``node`` that continues ``hashes`` at block ``i`` and how many of its blocks match
+    def _next_run(
+        self, node: RadixNode, hashes: Sequence[int], i: int, n: int
+    ) -> tuple[RadixNode | None, int]:
+        """The child of ``node`` that continues ``hashes[:n]`` at block ``i`` and how many of its blocks match
         (split so the returned node ends at the match), or ``(None, 0)``."""
         child = node.children.get(hashes[i])
         if child is None:
             return None, 0
-        k = _common_prefix(child.hashes, hashes, i)
+        k = _common_prefix(child.hashes, hashes, i, n)
         if k < len(child.hashes):
             child = self._split(child, k)
         return child, k
@@ -185,7 +188,7 @@ class RadixCache:
         self._tick += 1
         tick = self._tick
         while i < n:
-            child, k = self._next_run(node, hashes, i)
+            child, k = self._next_run(node, hashes, i, n)
             if child is None:
                 break
             child.last_access = tick
@@ -260,23 +263,25 @@ class RadixCache:
         hashes: Sequence[int],
         block_ids: Sequence[int],
         tokens: bytes | None = None,
+        end: int | None = None,
     ) -> tuple[RadixNode, list[int]]:
-        """Cache blocks ``[start, len(hashes))`` below ``node`` for a caller that holds a lock on it.
+        """Cache blocks ``[start, end)`` (``end``: default ``len(hashes)``) below ``node`` for a caller that holds
+        a lock on it.
 
         ``node`` ends at block ``start`` of the caller's sequence (the root when ``start == 0``); ``tokens``
         are those blocks' tokens (``hashing.token_bytes``), kept with the new blocks for :meth:`verify_tokens`.
         Blocks whose prefix is cached already are shared; the rest are added with a pool reference
         each. Returns the new deepest node — the caller's lock now covers the path to it — and the
-        cached block ids of ``[start, len(hashes))``: where one differs from ``block_ids``, another
+        cached block ids of ``[start, end)``: where one differs from ``block_ids``, another
         request computed that block first and the caller should switch to the cached one.
         """
         i = start
-        n = len(hashes)
+        n = len(hashes) if end is None else end
         self._tick += 1
         tick = self._tick
         out: list[int] = []
         while i < n:
-            child, k = self._next_run(node, hashes, i)
+            child, k = self._next_run(node, hashes, i, n)
             if child is None:
                 break
             if child.lock_ref == 0:

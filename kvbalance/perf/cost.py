@@ -115,6 +115,31 @@ def tally(seqs: Sequence[SeqWork]) -> tuple[int, int, int, int, float, int, int]
     return tokens, sampled, pre_tokens, pre_ctx, pre_pairs, dec_seqs, dec_ctx
 
 
+def plan_tally(plan: BatchPlan) -> tuple[int, int, int, int, float, int, int]:
+    """:func:`tally` of a plan's sequences (each ``(num_new_tokens, start + num_new_tokens, sample)``), read
+    straight from the plan: the same sums in the same order, without building the tuples."""
+    tokens = sampled = pre_tokens = pre_ctx = dec_seqs = dec_ctx = 0
+    pre_pairs = 0.0
+    for s in plan.seqs:
+        n = s.num_new_tokens
+        if n < 1:
+            raise ValueError(f"num_new_tokens: must be >= 1, got {n}")
+        tokens += n
+        if s.sample:
+            sampled += 1
+        if n == 1:
+            dec_seqs += 1
+            dec_ctx += s.start + 1
+        else:
+            ctx = s.start + n
+            if ctx < n:
+                raise ValueError(f"context_len: {ctx} is smaller than num_new_tokens {n}")
+            pre_tokens += n
+            pre_ctx += ctx
+            pre_pairs += n * (ctx - n) + n * (n + 1) / 2
+    return tokens, sampled, pre_tokens, pre_ctx, pre_pairs, dec_seqs, dec_ctx
+
+
 def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
     """KV heads each TP rank stores (replicated when there are fewer KV heads than ranks)."""
     return max(model.num_kv_heads // tp, 1)
@@ -328,10 +353,23 @@ class CostModel:
         in :meth:`_step_plain`'s order, accumulator by accumulator: the same floats in the same order, so the
         same breakdown to the last bit (tests/test_cost_memo.py), at a fraction of the cost (the simulator
         evaluates it once per step)."""
-        memo = self._step_memo
-        if memo is None:
+        if self._step_memo is None:
             return self._step_plain(seqs)
-        tokens, sampled, pre_tokens, pre_ctx, pre_pairs, dec_seqs, dec_ctx = tally(seqs)
+        return self.step_tallied(len(seqs), tally(seqs))
+
+    def decode_step(self, num_seqs: int, context_sum: int) -> StepBreakdown:
+        """:meth:`step` of ``num_seqs`` sampling decodes (one new token each) whose contexts after the step sum
+        to ``context_sum``, in O(1): the step depends on the decodes through these two sums only."""
+        if self._step_memo is None:
+            return self._step_plain(
+                [(1, context_sum - (num_seqs - 1), True)] + [(1, 1, True)] * (num_seqs - 1)
+            )
+        return self.step_tallied(num_seqs, (num_seqs, num_seqs, 0, 0, 0.0, num_seqs, context_sum))
+
+    def step_tallied(self, num_seqs: int, sums: tuple[int, int, int, int, float, int, int]) -> StepBreakdown:
+        """:meth:`step` of ``num_seqs`` sequences whose :func:`tally` is ``sums`` (the memoised path)."""
+        memo = self._step_memo
+        tokens, sampled, pre_tokens, pre_ctx, pre_pairs, dec_seqs, dec_ctx = sums
         if tokens == 0:
             return StepBreakdown()
         terms = memo.get(tokens)
@@ -340,7 +378,6 @@ class CostModel:
         c_pre, m_pre, o_pre, f_pre, b_pre, o_pre_seq, post, kernels, comm_s, at = terms
         post_c, post_m, post_o, post_f, post_b = post
         hw, eng = self.gpu, self.engine
-        num_seqs = len(seqs)
         work = eng.host_work_s(hw, num_seqs, tokens, self.tp)
         compute_s, memory_s, flops, num_bytes = c_pre, m_pre, f_pre, b_pre
         # the operators before attention: their sums from 0 are fixed by T; a serial engine's overhead starts
@@ -577,7 +614,9 @@ class CostModel:
 
     def predict(self, plan: BatchPlan) -> StepBreakdown:
         """Breakdown of the compute in ``plan`` (KV transfers are the executor's business)."""
-        return self.step(self.plan_seqs(plan))
+        if self._step_memo is None:
+            return self._step_plain(self.plan_seqs(plan))
+        return self.step_tallied(len(plan.seqs), plan_tally(plan))
 
     def step_time(self, plan: BatchPlan) -> float:
         return breakdown_total_s(self.predict(plan))

@@ -142,50 +142,70 @@ class Scheduler(RequestControl):
 
         A request that cannot grow first shrinks its prefill chunk to the free blocks, else preempts the
         newest running request not yet scheduled in this step (possibly itself)."""
-        kv = self.kv
         decodes: list[Request] = []
         prefills: list[Request] = []
         for r in self.running:
-            (
-                decodes if r._num_prompt + len(r.output_token_ids) - r.num_computed_tokens == 1 else prefills
-            ).append(r)
-        scheduled: set[str] = set()
+            if r._num_prompt + len(r.output_token_ids) - r.num_computed_tokens == 1:
+                decodes.append(r)
+            else:
+                prefills.append(r)
         seqs = plan.seqs
-        preempted = False
+        first = len(seqs)  # the sequences this call schedules are seqs[first:]
+        preempted = self.num_preemptions
         bs = self.block_size
-        for req in decodes + prefills:
+        running = RequestState.RUNNING
+        for req in decodes:  # one token each, the step's last: the common case, kept lean
             if budget <= 0:
                 break
-            if preempted and req.state is not RequestState.RUNNING:
+            if preempted != self.num_preemptions and req.state is not running:
+                continue  # preempted earlier in this step
+            computed = req.num_computed_tokens
+            if computed >= len(req.block_ids) * bs and not self._grow(req, computed, 1, seqs, first):
+                continue
+            seqs.append(ScheduledSeq(req, computed, 1, True))
+            budget -= 1
+        for req in prefills:
+            if budget <= 0:
+                break
+            if preempted != self.num_preemptions and req.state is not running:
                 continue  # preempted earlier in this step
             computed = req.num_computed_tokens
             total = req._num_prompt + len(req.output_token_ids)
-            n = min(total - computed, budget)
+            n = total - computed
+            if n > budget:
+                n = budget
             if computed + n > len(req.block_ids) * bs:  # needs new blocks
-                while not kv.allocate_slots(req, computed + n):
-                    if n > 1:  # a prefill chunk: shrink it to the blocks that are free
-                        fit = kv.max_tokens_fitting(req) - computed
-                        if fit >= 1:
-                            n = min(n, fit)
-                            if not kv.allocate_slots(req, computed + n):
-                                raise RuntimeError("block accounting: a chunk that fits failed to allocate")
-                            break
-                    victim = self._pick_victim(scheduled)
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is req:
-                        n = 0
-                        break
-                    n = min(total - computed, budget)
+                n = self._grow(req, computed, n, seqs, first)
                 if n <= 0:
                     continue
             seqs.append(ScheduledSeq(req, computed, n, computed + n == total))
-            scheduled.add(req.request_id)
             budget -= n
         return budget
 
-    def _pick_victim(self, scheduled: set[str]) -> Request:
-        """The newest running request not yet scheduled in this step (or, failing that, the newest)."""
+    def _grow(self, req: Request, computed: int, n: int, seqs: list[ScheduledSeq], first: int) -> int:
+        """Blocks for ``req``'s ``n`` new tokens: a prefill chunk shrinks to the free blocks, else the newest
+        running request not yet scheduled is preempted (possibly ``req``: then 0) until they fit; returns the
+        tokens ``req`` computes (the same ``n`` once nothing else needed preempting)."""
+        kv = self.kv
+        want = n
+        while not kv.allocate_slots(req, computed + n):
+            if n > 1:  # a prefill chunk: shrink it to the blocks that are free
+                fit = kv.max_tokens_fitting(req) - computed
+                if fit >= 1:
+                    n = min(n, fit)
+                    if not kv.allocate_slots(req, computed + n):
+                        raise RuntimeError("block accounting: a chunk that fits failed to allocate")
+                    return n
+            victim = self._pick_victim(seqs, first)
+            self._preempt(victim)
+            if victim is req:
+                return 0
+            n = want
+        return n
+
+    def _pick_victim(self, seqs: list[ScheduledSeq], first: int) -> Request:
+        """The newest running request not among ``seqs[first:]`` (scheduled in this step), else the newest."""
+        scheduled = {s.request.request_id for s in seqs[first:]}
         for req in reversed(self.running):
             if req.request_id not in scheduled:
                 return req
