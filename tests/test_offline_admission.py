@@ -1,6 +1,7 @@
 """Dual-scan admission on the live engine and the in-batch prefix check."""
 
 import numpy as np
+import pytest
 
 from kvbalance.offline.admission import DualScanAdmission
 from kvbalance.offline.plan import OfflinePlan, PlanContext
@@ -56,3 +57,52 @@ def test_in_batch_prefix_check_lets_a_dfs_group_share_its_prefix():
         on.sharing_ratio == (len(reqs) - 1) * 64 / total
     )  # the first computes it, the rest hit all 4 blocks
     assert on.output_tokens == off.output_tokens == 6 * 4
+
+
+def _brute_peak(held, left):
+    """The largest sum over future steps t = 0, 1, ... of the KV of the requests still running (request j
+    holds held[j] + t tokens while t < left[j]), walked step by step."""
+    return max(sum(k + t for k, r in zip(held, left) if t < r) for t in range(int(max(left))))
+
+
+def test_peak_rule_projects_the_memory_heavy_sides_growth_exactly():
+    rng = np.random.default_rng(3)
+    n = 12
+    reqs = [Request(f"r{i}", [1] * 8, max_tokens=100) for i in range(n)]
+    p = rng.integers(10, 400, n).astype(float)
+    d = rng.integers(1, 300, n).astype(float)
+    mem = p * d + d * d / 2
+    adm = DualScanAdmission([], list(range(n)), p, d, mem * 0.1, mem, 1.0, 1e9, memory_rule="peak").bind(reqs)
+    adm.live[1] = [1, 4, 7, 9]
+    for j, g in zip(adm.live[1], (0, 5, 17, 40)):
+        reqs[j].output_token_ids.extend([2] * g)
+    held = [p[0]] + [p[j] + reqs[j].num_output_tokens for j in adm.live[1]]
+    left = [max(d[0], 1.0)] + [max(d[j] - reqs[j].num_output_tokens, 1.0) for j in adm.live[1]]
+    peak = _brute_peak(held, left)
+    assert adm._peak_fits(0, peak) and not adm._peak_fits(0, peak - 1)
+
+
+def test_peak_rule_staggers_a_wave_of_equal_long_decodes():
+    # equal memory-heavy requests of 100 prompt + 1,000 output tokens against a 6,000-token share: on averages
+    # (600 tokens each) 10 start and together peak at 11,000; under the peak rule 5, which fit at full length
+    n = 20
+    reqs = [Request(f"r{i}", [1] * 100, max_tokens=1000) for i in range(n)]
+    p, d = np.full(n, 100.0), np.full(n, 1000.0)
+    mem = p * d + d * d / 2
+    started = {}
+    for rule in ("average", "peak"):
+        adm = DualScanAdmission([], list(range(n)), p, d, mem * 0.01, mem, 1.0, 6000, memory_rule=rule).bind(
+            reqs
+        )
+        budget = (0.0, 6000.0)
+        for i in range(n):  # the memory-heavy side's loop, alone
+            if not adm.memory_allows(1, i, budget):
+                break
+            adm.used[1] += adm.foot[i]
+            adm.live[1].append(i)
+        started[rule] = len(adm.live[1])
+        peak = _brute_peak([p[j] for j in adm.live[1]], [d[j] for j in adm.live[1]])
+        assert (peak > 6000) if rule == "average" else (peak <= 6000 < peak + 1100)
+    assert started == {"average": 10, "peak": 5}
+    with pytest.raises(ValueError, match="memory_rule"):
+        DualScanAdmission([], [0], p, d, mem, mem, 1.0, 6000, memory_rule="max")
