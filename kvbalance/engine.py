@@ -264,6 +264,11 @@ class Instance:
             return None
         reqs = list(sched.running)
         n = len(reqs)
+        c0 = [r.num_computed_tokens for r in reqs]
+        ctx = sum(c0)
+        first_s = ex.decode_step_s(n, ctx + n)
+        if not now + first_s < horizon_s:  # the first step already reaches the horizon: step normally
+            return None
         steps_left = (
             min(r.sampling.max_tokens - len(r.output_token_ids) for r in reqs) - 1
         )  # the last is normal
@@ -272,7 +277,6 @@ class Instance:
             return None
         kv, pool, bs = sched.kv, self.pool, self.pool.block_size
         caching = sched.cache is not None
-        c0 = [r.num_computed_tokens for r in reqs]
         # block events by step residue mod bs, in running order (the order the normal path meets them)
         allocs: dict[int, list[int]] = {}
         first_alloc = []
@@ -284,10 +288,9 @@ class Instance:
             fills.setdefault(-c0[i] % bs, []).append(i)
         done = [0] * n  # steps already written into each request's token lists
         ends: list[float] = []
-        ctx = sum(c0)
         t = now
         for j in range(1, limit + 1):
-            d = ex.decode_step_s(n, ctx + j * n)
+            d = first_s if j == 1 else ex.decode_step_s(n, ctx + j * n)
             end = t + d
             if not end < horizon_s:
                 break

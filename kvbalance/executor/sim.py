@@ -155,15 +155,10 @@ class SimExecutor:
     def decode_step_s(self, num_seqs: int, context_sum: int) -> float:
         """Duration :meth:`execute` gives any step of ``num_seqs`` sampling decodes (one new token each, no
         transfers) whose contexts after the step sum to ``context_sum``: the cost model sees a step through its
-        shape (:func:`step_shape`), so one plan of that shape stands for all. Counts nothing (:meth:`note_step`)."""
-        key = (num_seqs, num_seqs, num_seqs, num_seqs, context_sum, ())
-        shapes = self._shapes
-        hit = shapes.get(key) if shapes is not None else None
-        if hit is None:
-            hit = self.cost_model.decode_step(num_seqs, context_sum)
-            if shapes is not None and len(shapes) < SHAPE_CACHE_MAX:
-                shapes[key] = hit
-        compute_s = breakdown_total_s(hit)
+        shape (:func:`step_shape`), so one plan of that shape stands for all; ``CostModel.decode_step`` takes the
+        two sums in O(1), and no shape is cached (a run's context sum grows every step). Counts nothing
+        (:meth:`note_step`)."""
+        compute_s = breakdown_total_s(self.cost_model.decode_step(num_seqs, context_sum))
         return compute_s + max(0.0, 0.0 - compute_s)  # execute()'s arithmetic with nothing to transfer
 
     def note_step(self, duration_s: float) -> None:

@@ -212,6 +212,9 @@ class CostModel:
         self._step_memo: dict[int, tuple] | None = {}
         self._gaps_s = self.gpu.per_layer_overhead_s * self.model.num_layers  # the per-layer launch gaps
         self._lm_memo: dict[int, tuple] = {}
+        self._attn_memo: dict[
+            tuple, tuple
+        ] = {}  # (attention op, its tokens, the step's if equal) -> _attn_terms
 
     def kernel_keys(self) -> dict[str, str | None]:
         """Each operator's kernel shape key (:mod:`kvbalance.perf.correction`); None: never profiled."""
@@ -387,23 +390,26 @@ class CostModel:
         m, dt = self.model, self._dt
         hd, heads_r, kvl, q_r = m.head_dim, self._heads_r, self._kv_token_layer_bytes, self._q_r
         T = float(tokens)
-        for attn in (
-            OpCount("attn_prefill", ATTENTION, 4.0 * hd * heads_r * pre_pairs,
-                    pre_ctx * kvl + 2.0 * pre_tokens * q_r * dt, pre_tokens, repeat=L) if pre_tokens else None,
-            OpCount("attn_decode", ATTENTION, 4.0 * hd * heads_r * dec_ctx,
-                    dec_ctx * kvl + 2.0 * dec_seqs * q_r * dt, dec_seqs, repeat=L) if dec_seqs else None,
+        mem_half = hw.memory_half_bytes
+        for name, size, a_flops, a_bytes in (
+            ("attn_prefill", pre_tokens, 4.0 * hd * heads_r * pre_pairs, pre_ctx * kvl + 2.0 * pre_tokens * q_r * dt),
+            ("attn_decode", dec_seqs, 4.0 * hd * heads_r * dec_ctx, dec_ctx * kvl + 2.0 * dec_seqs * q_r * dt),
         ):  # fmt: skip
-            if attn is None:
+            if not size:
                 continue
-            to_c, v, o, f, b, k = self._op_terms(attn, at, T)
-            if to_c:
-                compute_s += v
+            # _op_terms of OpCount(name, ATTENTION, a_flops, a_bytes, size, repeat=L), its FLOP- and byte-free
+            # factors memoised: compute_time_s and memory_time_s with the same operations in the same order
+            r, c_num, c_den, m_den, o = self._attn_terms(name, size, at, T)
+            c = a_flops * c_num / c_den if a_flops > 0 else 0.0
+            mem = (a_bytes + mem_half) / m_den if a_bytes > 0 else 0.0
+            if c > mem:
+                compute_s += c * r
             else:
-                memory_s += v
+                memory_s += mem * r
             overhead_s += o
-            flops += f
-            num_bytes += b
-            kernels += k
+            flops += a_flops * L
+            num_bytes += a_bytes * L
+            kernels += L
         compute_s = reduce(add, post_c, compute_s)
         memory_s = reduce(add, post_m, memory_s)
         overhead_s = reduce(add, post_o, overhead_s)
@@ -462,6 +468,33 @@ class CostModel:
             op.bytes * op.repeat,
             op.repeat,
         )
+
+    def _attn_terms(
+        self, name: str, size_tokens: int, at: dict[str, float] | None, step_tokens: float
+    ) -> tuple:
+        """What :meth:`_op_terms` computes for the attention operator ``name`` over ``size_tokens`` tokens in a
+        step of ``step_tokens`` whatever its FLOPs and bytes (memoised): the repeat times its correction, the
+        numerator and denominator of :func:`compute_time_s` and the denominator of :func:`memory_time_s` (an
+        attention kernel has no element-wise curve), and its latency."""
+        key = (name, size_tokens, step_tokens if size_tokens == step_tokens else None)
+        entry = self._attn_memo.get(key)
+        if entry is not None:
+            return entry
+        if len(self._attn_memo) >= STEP_MEMO_MAX:
+            self._attn_memo.clear()
+        r = self.model.num_layers
+        if at is not None:
+            f = at.get(name) if size_tokens == step_tokens else self._corr.factor(name, size_tokens)
+            if f is not None:
+                r = r * f
+        hw = self.gpu
+        x = max(size_tokens, 1.0)
+        c_eff = hw.compute_eff_max * hw.attention_eff_ratio
+        m_eff = hw.memory_eff_max * hw.kv_memory_eff_ratio
+        entry = (r, x + hw.compute_half_tokens, x * hw.peak_flops * c_eff, hw.mem_bandwidth_bytes_s * m_eff,
+                 self._latency[(ATTENTION, "")] * r)  # fmt: skip
+        self._attn_memo[key] = entry
+        return entry
 
     def _terms_of(self, tokens: int) -> tuple:
         """The memo entry of a step of ``tokens`` tokens: the operators before attention summed from 0 in

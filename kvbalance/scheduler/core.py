@@ -122,7 +122,7 @@ class Scheduler(RequestControl):
             return False
         if self.policy.name == "sarathi" and len(running) > self.config.max_num_batched_tokens:
             return False
-        for r in running:
+        for r in reversed(running):  # requests mid-prompt, the usual reason to say no, are the newest
             if (
                 r._num_prompt + len(r.output_token_ids) - r.num_computed_tokens != 1
                 or r.first_token_s is None
