@@ -13,8 +13,8 @@ from kvbalance.sim.run import SimulateConfig
 from kvbalance.workloads.presets import build_requests
 
 
-def sig(name, role, util, queue_s=0.0, requests=1, flippable=True):
-    return MemberSignal(name, role, util, queue_s, requests, flippable)
+def sig(name, role, util, queue_s=0.0, requests=1, flippable=True, credit=1.0):
+    return MemberSignal(name, role, util, queue_s, requests, flippable, credit)
 
 
 def test_policy_flips_the_idlest_decode_instance_when_prompts_queue():
@@ -40,6 +40,27 @@ def test_policy_flips_a_prefill_instance_when_decode_is_short_and_prefill_keeps_
             sig("d0", "decode", 0.95), sig("d1", "decode", 0.9)]  # fmt: skip
     d, _ = p.decide(0.0, busy)
     assert d.action == "none" and d.reason.startswith("no flip lowers the peak enough")
+
+
+def test_a_decode_instance_full_of_residents_counts_for_what_they_leave_and_its_hand_offs_go_to_the_others():
+    """After a decode-heavy period every decode instance still holds long answers: a flipped one gives prompts
+    only the share of its steps its residents leave, and the others take the hand-offs it would have taken.
+    Counting it as a whole prefill instance and the others at their present pressure (the prediction
+    before) flipped five instances in 4 s on phases-15 and left one decode instance for every hand-off."""
+    p = RoleFlipPolicy(RoleFlipConfig(), ttft_slo_s=1.0)
+    busy = [sig("p0", "prefill", 1.3, 1.0), sig("p1", "prefill", 1.3, 1.0),
+            sig("d0", "decode", 0.8, requests=110, credit=0.5), sig("d1", "decode", 0.8, requests=120, credit=0.5),
+            sig("d2", "decode", 0.8, requests=115, credit=0.5)]  # fmt: skip
+    # no new hand-offs: the flip pays, but only by the half instance it adds (1.3 x 2 / 2.5, not 1.3 x 2 / 3)
+    d, _ = p.decide(0.0, busy, handoff_util=0.0)
+    assert (d.action, d.member) == ("to_prefill", "d0") and "-> 1.04" in d.reason
+    # hand-offs worth 0.5 of each decode instance: the two left would carry 0.8 + 0.5 / 2, past 1
+    d, _ = p.decide(0.0, busy, handoff_util=0.5)
+    assert d.action == "none"
+    # with residents gone the same flip counts a whole instance again
+    drained = [x if x.role == "prefill" else sig(x.name, "decode", 0.3, requests=5) for x in busy]
+    d, _ = p.decide(0.0, drained, handoff_util=0.5)
+    assert d.action == "to_prefill" and "-> 0.87" in d.reason
 
 
 def test_policy_leaves_a_light_or_balanced_load_and_keeps_one_of_each_role():

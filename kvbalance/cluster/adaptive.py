@@ -25,6 +25,7 @@ its reason (``trace_dict()`` for results and plots).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -147,6 +148,8 @@ class MigrationController:
             RoleFlipPolicy(section.flip_config(), self.ttft_slo_s) if section.role_flip and pd else None
         )
         self.moves = section.moves
+        self._seen: set[str] = set()  # requests seen on any member (for ``_handoff_util``)
+        self._handoffs: deque[tuple[float, float, float]] = deque()  # (seen at, KV-token-seconds, life s)
         self.trace: list[tuple] = []  # per tick: (t, utils, imbalance, flip signals, action, reason)
         for g, m in self.gpu_of.items():
             cm = m.instance.executor.cost_model
@@ -190,7 +193,7 @@ class MigrationController:
 
     def _record(self, now, seen, imbalance, signals, action, reason) -> None:
         sig = None if signals is None else (signals.prefill_queue_s, signals.prefill_util, signals.decode_util,
-                                            signals.num_prefill)  # fmt: skip
+                                            signals.num_prefill, signals.handoff_util)  # fmt: skip
         self.trace.append((now, [seen[g].combined for g in self.gpu_of], imbalance, sig, action, reason))
 
     def trace_dict(self) -> dict:
@@ -207,6 +210,7 @@ class MigrationController:
             "prefill_util": [s[1] if s else None for s in sig],
             "decode_util": [s[2] if s else None for s in sig],
             "num_prefill": [s[3] if s else None for s in sig],
+            "handoff_util": [s[4] if s else None for s in sig],
             "action": [x[4] for x in t],
             "reason": [x[5] for x in t],
         }
@@ -227,6 +231,11 @@ class MigrationController:
         ahead = (ld.kv_used_tokens + final) / 2 / cap
         # batch slots: short requests bind on the batch size before KV (Alpaca: 256 running, KV a few % used)
         slots = (ld.num_running + ld.num_waiting + ld.num_loading) / m.instance.config.max_num_seqs
+        step = self._mean_step_s(m, now) / self.tpot_slo_s
+        return max(kv_util, ahead, step, slots)
+
+    def _mean_step_s(self, m: Member, now: float) -> float:
+        """``m``'s mean step time over the monitor's window (0 if it did not step)."""
         starts, durs = m.step_starts_s, m.step_durations_s
         total = n = 0
         i = len(starts) - 1
@@ -234,8 +243,48 @@ class MigrationController:
             total += durs[i]
             n += 1
             i -= 1
-        step = total / n / self.tpot_slo_s if n else 0.0
-        return max(kv_util, ahead, step, slots)
+        return total / n if n else 0.0
+
+    def _prefill_credit(self, m: Member, now: float) -> float:
+        """The share of a prefill instance's prompt throughput decode member ``m`` gives once flipped: its
+        residents stay and decode in every step, so a 512-token chunk (``c`` seconds) comes with their decode
+        step (``d``, its mean step time now): ``c / (c + d)``; 1 once none is left."""
+        ld = m.instance.load()
+        if not ld.num_running + ld.num_waiting + ld.num_loading:
+            return 1.0
+        c = 512 * self._prefill_s_per_token(m)
+        return c / (c + self._mean_step_s(m, now))
+
+    def _handoff_util(self, cluster: Cluster, now: float) -> float:
+        """Decode pressure per decode instance that the requests of the last window bring in steady state
+        (Little's law): a request lives ``max_tokens`` decode steps of the decode role's mean step time,
+        holding on average its prompt plus half its output in KV and one batch slot; the KV-seconds and
+        slot-seconds arriving per second, over the decode instances' KV and slots. A request counts when it is
+        first seen at a tick on any member, most often queued on a prefill member: the hand-offs to come,
+        not only those made (at a switch to long prompts the prompts queue, and hand-offs counted as they
+        landed lagged the arrivals by seconds: flips left too few decode instances for them). One that came
+        and went within a tick is missed (a few tokens' KV)."""
+        dec = [m for m in cluster.members if m.role == "decode"]
+        steps = [s for s in (self._mean_step_s(m, now) for m in dec) if s > 0]
+        step_s = sum(steps) / len(steps) if steps else self.tpot_slo_s
+        pd = cluster.pd
+        for m in cluster.members:
+            sched = m.instance.scheduler
+            for r in (*sched.running, *sched.waiting, *sched.loading.values()):
+                if r.request_id not in self._seen:
+                    self._seen.add(r.request_id)
+                    out = pd.output_budget(r) if pd is not None else r.max_tokens
+                    life_s = out * step_s
+                    self._handoffs.append((now, (r.num_prompt_tokens + out / 2) * life_s, life_s))
+        while self._handoffs and self._handoffs[0][0] <= now - self.window_s:
+            self._handoffs.popleft()
+        if not dec or not self._handoffs:
+            return 0.0
+        cap = sum(m.instance.load().kv_capacity_tokens for m in dec) or 1
+        slots = sum(m.instance.config.max_num_seqs for m in dec)
+        kv_s = sum(h[1] for h in self._handoffs) / self.window_s
+        slot_s = sum(h[2] for h in self._handoffs) / self.window_s
+        return max(kv_s / cap, slot_s / slots)
 
     def _flip(self, cluster: Cluster, now: float, seen: dict, backlog: dict):
         sigs = []
@@ -247,10 +296,11 @@ class MigrationController:
             else:
                 util = self._decode_pressure(m, now, u.kv_util)
             ld = m.instance.load()
+            credit = self._prefill_credit(m, now) if m.role == "decode" else 1.0
             sigs.append(MemberSignal(m.name, m.role, util, backlog[m.index],
                                      ld.num_running + ld.num_waiting + ld.num_loading,
-                                     m.index not in self.engaged))  # fmt: skip
-        d, signals = self.flips.decide(now, sigs)
+                                     m.index not in self.engaged, credit))  # fmt: skip
+        d, signals = self.flips.decide(now, sigs, self._handoff_util(cluster, now))
         if d.action != "none":
             m = next(x for x in cluster.members if x.name == d.member)
             cluster.set_role(m, "prefill" if d.action == "to_prefill" else "decode", d.reason)
@@ -265,10 +315,14 @@ class MigrationController:
         tokens += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running)
         if not tokens:
             return 0.0
+        return tokens * self._prefill_s_per_token(m)
+
+    def _prefill_s_per_token(self, m: Member) -> float:
+        """Prefill seconds per token on ``m``: the cost model's time of a 512-token chunk over 512."""
         if m.index not in self._s_per_token:
             cm = m.instance.executor.cost_model
             self._s_per_token[m.index] = cm.step_seconds([(512, 512, True)]) / 512
-        return tokens * self._s_per_token[m.index]
+        return self._s_per_token[m.index]
 
     def _state(self, g: str, u: GPUUtilization) -> GPUState:
         m = self.gpu_of[g]

@@ -67,6 +67,11 @@ class PDConnector:
     def handles(self, req: Request) -> bool:
         return req.request_id in self._sampling
 
+    def output_budget(self, req: Request) -> int:
+        """``req``'s real ``max_tokens`` (while it prefills, its own says 1: its first token)."""
+        real = self._sampling.get(req.request_id)
+        return real.max_tokens if real is not None else req.max_tokens
+
     def holds_for(self, src, req: Request, block_ids: list[int]) -> bool:
         """Prefill side ``request_finished``: keep the blocks (and their cache lock: the scheduler holds
         both) if the request goes on to a decode member, until the save lands."""

@@ -21,10 +21,19 @@ Decision (``decide``), after ``cooldown_s`` since the last flip, with BanaServe'
 peak utilisation): each role's load per instance, ``U_p`` (prefill utilisation) and ``U_d`` (decode
 pressure), is what a flip redistributes: prompts spread over the prefill instances at once (their queues
 drain in seconds), so a flip from prefill to decode predicts ``max(U_p n_p / (n_p - 1), U_d n_d / (n_d + 1))``;
-decodes stay where they run, so a flip from decode to prefill predicts ``max(U_p n_p / (n_p + 1), mean
-pressure of the other decode instances)`` (scaling decode pressure by ``n_d / (n_d - 1)`` instead, tried
-first, kept every flip out for most of a prefill-heavy period after a decode-heavy one: the residents' KV
-held the pressure up although new decodes were short). Once the peak ``max(U_p, U_d)``
+decodes stay where they run, so a flip from decode to prefill predicts ``max(U_p n_p / (n_p + f), mean
+pressure of the other decode instances + h / (n_d - 1))``. ``f`` (``prefill_credit``) is the share of a
+prefill instance's prompt throughput the flipped one gives: its residents stay and decode in every step, so
+each prompt chunk comes with their decode step (``c / (c + d)``: chunk time ``c``, its decode step ``d``;
+1 once none is left). ``h`` (``handoff_util``) is the decode pressure per decode instance that the
+requests arriving now will bring once handed off (Little's law: their KV and batch slots over their
+lives), so ``h / (n_d - 1)`` is the flipped instance's share of it, taken by the others. Both were missing
+at first (the flipped instance counted whole, the others at their present pressure): after a decode-heavy
+period on ``phases-15`` five instances holding 102-127 running decodes each flipped to prefill in 4 s and
+left one decode instance for every hand-off (figures below). Scaling the others' whole pressure by
+``n_d / (n_d - 1)`` (tried before either) kept every flip out for most of a prefill-heavy period after a
+decode-heavy one: the residents' KV, which does not move, held the pressure up although new decodes were
+few; ``h`` scales only the part that does move. Once the peak ``max(U_p, U_d)``
 reaches ``start_util``, the flip that lowers it most is taken if it lowers it by at least ``min_gain``;
 otherwise nothing, with the reason (the peak is low: both roles keep up; both are at or past 1: the cluster is
 overloaded and a flip only moves the shortage; no flip lowers the peak enough: the roles are balanced). The instance that flips is the one with
@@ -91,6 +100,9 @@ class MemberSignal:
     queue_s: float  # prompt compute queued there (seconds)
     requests: int  # running + waiting + loading
     flippable: bool = True  # False while it takes part in a layer or attention move
+    # a decode instance: the share of a prefill instance's prompt throughput it gives once flipped, its
+    # residents decoding on in every step (1: none left); a prefill instance: 1
+    prefill_credit: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,9 @@ class RoleSignals:
     decode_util: float
     num_prefill: int
     num_decode: int
+    # decode pressure per decode instance that new hand-offs bring at their present rate, once in steady state
+    # (their KV and batch slots over a request's life, Little's law): what a flipped one leaves to the others
+    handoff_util: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -109,7 +124,9 @@ class FlipDecision:
     member: str | None = None
 
 
-def role_signals(members: Sequence[MemberSignal], ttft_slo_s: float) -> RoleSignals:
+def role_signals(
+    members: Sequence[MemberSignal], ttft_slo_s: float, handoff_util: float = 0.0
+) -> RoleSignals:
     pre = [m for m in members if m.role == "prefill"]
     dec = [m for m in members if m.role == "decode"]
 
@@ -122,6 +139,7 @@ def role_signals(members: Sequence[MemberSignal], ttft_slo_s: float) -> RoleSign
         decode_util=mean([m.util for m in dec]),
         num_prefill=len(pre),
         num_decode=len(dec),
+        handoff_util=handoff_util,
     )
 
 
@@ -131,9 +149,11 @@ class RoleFlipPolicy:
     ttft_slo_s: float
     last_flip_s: float | None = None
 
-    def decide(self, now: float, members: Sequence[MemberSignal]) -> tuple[FlipDecision, RoleSignals]:
+    def decide(
+        self, now: float, members: Sequence[MemberSignal], handoff_util: float = 0.0
+    ) -> tuple[FlipDecision, RoleSignals]:
         cfg = self.config
-        sig = role_signals(members, self.ttft_slo_s)
+        sig = role_signals(members, self.ttft_slo_s, handoff_util)
         if self.last_flip_s is not None and now < self.last_flip_s + cfg.cooldown_s:
             return FlipDecision("none", "cooling down after a flip"), sig
         up, ud, n_p, n_d = sig.prefill_util, sig.decode_util, sig.num_prefill, sig.num_decode
@@ -144,12 +164,16 @@ class RoleFlipPolicy:
             return FlipDecision("none", f"both roles short (prefill {up:.2f}, decode {ud:.2f})"), sig
         options = []
         if n_d > cfg.min_per_role:
-            # the flipped decode instance keeps its residents: the others keep theirs, so their pressure is
-            # what they carry now (the new decodes it would have taken are the smaller part)
+            # the flipped decode instance keeps its residents: it adds only the prompt throughput they leave
+            # (``prefill_credit``), and the others keep theirs and take the hand-offs it would have taken (its
+            # share of ``handoff_util``, spread over them)
             pick = self._pick(members, "decode")
             rest = [m.util for m in members if m.role == "decode" and m is not pick]
-            if pick is not None and sum(rest) / len(rest) < 1.0:  # they keep room for new hand-offs
-                options.append((max(up * n_p / (n_p + 1), sum(rest) / len(rest)), "to_prefill", "decode"))
+            if pick is not None:
+                d_after = sum(rest) / len(rest) + sig.handoff_util / (n_d - 1)
+                if d_after < 1.0:  # they keep room for new hand-offs
+                    p_after = up * n_p / (n_p + pick.prefill_credit)
+                    options.append((max(p_after, d_after), "to_prefill", "decode"))
         if n_p > cfg.min_per_role and self._pick(members, "prefill") is not None:
             options.append((max(up * n_p / (n_p - 1), ud * n_d / (n_d + 1)), "to_decode", "prefill"))
         if not options:
