@@ -114,7 +114,10 @@ def test_splitting_keeps_99_percent_of_sharing_on_the_presets(preset):
     d = budget_lens(reqs)
     stats = sort_and_split(tree, d, K)
     assert stats.sharing_before > 0
-    assert stats.sharing_after >= 0.99 * stats.sharing_before
+    # at most 1% of the shared tokens lost; a loss of exactly 1% (trace3 since the A100 presets' own bandwidth
+    # fraction re-tuned the job) meets 0.99 x before up to rounding
+    assert stats.lost_tokens <= stats.threshold_tokens
+    assert stats.sharing_after >= 0.99 * stats.sharing_before * (1 - 1e-12)
     assert sorted(tree.leaf_order()) == list(range(len(reqs)))
     tree.annotate(d, K)
     assert tree.root.n == len(reqs)
