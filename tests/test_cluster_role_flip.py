@@ -148,3 +148,27 @@ def test_set_role_refuses_the_last_of_a_role_and_colocated_members():
     colo = build_cluster(sim, ClusterConfig(instances=[InstanceGroup(count=2)]))
     with pytest.raises(ValueError, match="only prefill <-> decode"):
         colo.set_role(colo.members[0], "decode")
+
+
+def test_the_controller_credits_busy_decode_instances_partly_and_counts_the_hand_offs_to_come():
+    """What the controller hands the policy: a decode instance holding requests gives a flip only part of a
+    prefill instance (its residents' decode step comes with every chunk), an empty one all of it; the
+    hand-offs to come are counted from the requests arriving, before any prefill finishes."""
+    sim = SimulateConfig(workload="uniform:16-64:200-300", rate=50.0, num_requests=80, **SIM)
+    cluster = build_cluster(sim, PD)
+    seen = []
+    decide = cluster.migration.flips.decide
+
+    def spy(now, members, handoff_util=0.0):
+        seen.append((now, list(members), handoff_util))
+        return decide(now, members, handoff_util)
+
+    cluster.migration.flips.decide = spy
+    cluster.run(build_requests("uniform:16-64:200-300", 80, 50.0, sim.seed, 4096))
+    credits = [(m.requests, m.prefill_credit) for _, ms, _ in seen for m in ms if m.role == "decode"]
+    assert all(c == 1.0 for n, c in credits if n == 0)
+    busy = [c for n, c in credits if n > 20]
+    assert busy and all(0.0 < c < 1.0 for c in busy)
+    # the first tick: requests queue on the prefill instances, none was handed off yet, and they count
+    now, members, handoff_util = seen[0]
+    assert all(m.requests == 0 for m in members if m.role == "decode") and handoff_util > 0.0
