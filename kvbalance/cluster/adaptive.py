@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 _DEFAULTS = MigrationConfig()
 _FLIP = RoleFlipConfig()
 _SECTION_ONLY = {"window_s", "control_interval_s", "helper_kv_lend_fraction", "role_flip", "moves", "flip_start_util",
-                 "flip_min_gain", "flip_cooldown_s", "ttft_slo_s", "tpot_slo_s"}  # fmt: skip
+                 "flip_decode_start_util", "flip_min_gain", "flip_cooldown_s", "ttft_slo_s", "tpot_slo_s"}  # fmt: skip
 
 
 class MigrationSection(BaseModel):
@@ -83,6 +83,11 @@ class MigrationSection(BaseModel):
     flip_start_util: float = Field(
         _FLIP.start_util, ge=0, description="role flips: the peak role load below which nothing flips"
     )
+    flip_decode_start_util: float = Field(
+        _FLIP.decode_start_util,
+        ge=0,
+        description="role flips: the decode pressure a flip to decode waits for",
+    )
     flip_min_gain: float = Field(
         _FLIP.min_gain, ge=0, description="role flips: least drop of the peak a flip must give"
     )
@@ -109,7 +114,12 @@ class MigrationSection(BaseModel):
         return MigrationConfig(**self.model_dump(exclude=_SECTION_ONLY))
 
     def flip_config(self) -> RoleFlipConfig:
-        return RoleFlipConfig(self.flip_start_util, self.flip_min_gain, self.flip_cooldown_s)
+        return RoleFlipConfig(
+            start_util=self.flip_start_util,
+            min_gain=self.flip_min_gain,
+            cooldown_s=self.flip_cooldown_s,
+            decode_start_util=self.flip_decode_start_util,
+        )
 
 
 def _step_model(m: Member) -> MigratedStepModel:

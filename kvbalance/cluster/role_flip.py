@@ -36,7 +36,9 @@ decode-heavy one: the residents' KV, which does not move, held the pressure up a
 few; ``h`` scales only the part that does move. Once the peak ``max(U_p, U_d)``
 reaches ``start_util``, the flip that lowers it most is taken if it lowers it by at least ``min_gain``;
 otherwise nothing, with the reason (the peak is low: both roles keep up; both are at or past 1: the cluster is
-overloaded and a flip only moves the shortage; no flip lowers the peak enough: the roles are balanced). The instance that flips is the one with
+overloaded and a flip only moves the shortage; no flip lowers the peak enough: the roles are balanced; the
+decode instances left would be short: a flip to prefill would leave them past 1 with its hand-offs). The
+instance that flips is the one with
 the least to carry over: for decode -> prefill the decode instance holding the fewest requests (its
 residents decode on, interleaved with prefill chunks, while new decodes go elsewhere), for prefill -> decode
 the prefill instance with the least queued. At least ``min_per_role`` instances stay in each role.
@@ -53,18 +55,31 @@ Flipping several instances at once (the k that lowers the peak most)
 was tried too and did worse (phases-15, llama-13b, 4P + 4D at 42 req/s: SLO attainment 0.53 against 0.79
 one at a time): the signals lag the flips, and a jump overshoots.
 
-Where flips lose (measured, llama-13b 8 x A100, from 4P + 4D, ``reproduce banaserve``'s
-workbench): on ``phases-15`` the flips carry the first prefill-heavy period (at 36 req/s its requests all meet
-the SLOs, against 202 of 327 missing TTFT under static 4P + 4D) but lose the second one, after a decode-heavy
-period: the decode-heavy period took the cluster to 2P + 6D, and at its end the flips back to prefill took
-instances each still holding 115-128 running decodes (41-57k KV tokens), whose 256-512-token
-answers outlive the 15 s period; those residents share every step with the new prompts' chunks, and the new
-hand-offs crowd onto the one decode instance left (7P + 1D at 34.5 s), so 213 of 294 requests miss TPOT and 97
-TTFT (attainment 0.88 against 4P + 4D's 0.88 at 36 req/s; 0.91 against 1.0 at 30 req/s). The
-decode -> prefill prediction counts neither: the flipped instance as a whole prefill instance, the other
-decode instances at their present pressure without the hand-offs they inherit. On ``phases-30`` the same
-period costs less (requests missing an SLO: at most 153 against static 4P + 4D's 179 at 30 req/s, at most 646
-against at least 1,340 at 36 req/s): the residents drain within the longer period.
+Flipping to decode early: the peak rule flipped prefill instances to decode as soon as decode pressure
+passed ``start_util`` (0.6-0.64 on ``phases-15`` from DistServe's 4P + 2D TP2 at 26.5-32 req/s), evening out
+roles that both kept up (static 4P + 2D TP2 meets every SLO of the decode-heavy periods there). The instances
+so flipped filled with the decode-heavy period's answers and were missing, or came back carrying them, when
+prompts returned. A flip to decode now waits for decode pressure ``decode_start_util`` (0.9): below it KV,
+steps and slots are within their limits, and the cost of the flip comes due at the next turn of the mix
+(``reproduce banaserve --settings phases-15``: max rate 35.5 -> 37.2 req/s over the run, prefill-heavy
+requests alone 25.2 -> 30.6). Prefill gets no such wait: a queue of prompts costs TTFT within seconds.
+
+Where flips lose (measured, llama-13b 8 x A100, ``reproduce banaserve``'s workbench, 60 s of ``phases-15``):
+a prefill-heavy period after a decode-heavy one. The decode-heavy period's answers (256-512 tokens at
+35-40 ms each: 13.4 s of decoding on average, 21.7 s at the 90th percentile, at 32 req/s) outlive the 15 s
+period, so decode capacity lent in it is held into the next.
+Before the credit and the hand-off charge above, from 4P + 4D at 36 req/s, five decode instances holding
+102-127 running decodes each flipped to prefill in 4 s (7P + 1D at 34.5 s): the one decode instance left
+took every hand-off (decode pressure 1.1, "both roles short"), and 205 of the period's 294 requests missed
+TPOT, 89 TTFT (attainment 0.848; with both, 6P + 2D, 16 and 97: 0.933). From 4P + 2D TP2 at 32 req/s with
+every rule here, the period still costs 55 TTFT misses (attainment 0.971 against static 4P + 2D TP2's
+0.985, which misses 29 in the first prefill-heavy period instead and none in this one): one TP-1 prefill
+instance went to decode at 26 s (decode pressure 0.90), and at 32 s the TP-2 decode instance that flipped
+back held 126 running decodes (67k KV tokens); from 33 to 39 s prefill utilisation stayed at 1.05-1.36 while
+a further flip would have left the decode instances short with its hand-offs (the reason in the trace).
+On ``phases-30`` the same period costs less (from 4P + 4D before these changes: requests missing an SLO at
+most 153 against static 4P + 4D's 179 at 30 req/s, at most 646 against at least 1,340 at 36 req/s): the
+residents drain within the longer period.
 """
 
 from __future__ import annotations
@@ -81,9 +96,13 @@ class RoleFlipConfig:
     min_gain: float = 0.1  # a flip must lower the peak by more than the signals' noise
     cooldown_s: float = 1.0  # queues and KV occupancy react at once; half the monitor's 2 s window
     min_per_role: int = 1
+    # a flip to decode waits until decode pressure nears its limit (1: KV full, steps at the TPOT SLO): below
+    # it decodes meet their SLO, and an instance flipped to decode gains residents that pin it for their
+    # answers' length when the mix turns back (module docstring, "Flipping to decode early")
+    decode_start_util: float = 0.9
 
     def __post_init__(self) -> None:
-        for f in ("start_util", "min_gain", "cooldown_s"):
+        for f in ("start_util", "min_gain", "cooldown_s", "decode_start_util"):
             if not getattr(self, f) >= 0:
                 raise ValueError(f"{f}: must be >= 0, got {getattr(self, f)!r}")
         if self.min_per_role < 1:
@@ -163,6 +182,7 @@ class RoleFlipPolicy:
         if min(up, ud) >= 1.0:  # every instance is short: a flip moves the shortage and costs what it carries
             return FlipDecision("none", f"both roles short (prefill {up:.2f}, decode {ud:.2f})"), sig
         options = []
+        short = "no instance can be spared"
         if n_d > cfg.min_per_role:
             # the flipped decode instance keeps its residents: it adds only the prompt throughput they leave
             # (``prefill_credit``), and the others keep theirs and take the hand-offs it would have taken (its
@@ -174,10 +194,13 @@ class RoleFlipPolicy:
                 if d_after < 1.0:  # they keep room for new hand-offs
                     p_after = up * n_p / (n_p + pick.prefill_credit)
                     options.append((max(p_after, d_after), "to_prefill", "decode"))
-        if n_p > cfg.min_per_role and self._pick(members, "prefill") is not None:
+                else:
+                    short = f"the decode instances left would be short ({d_after:.2f} with its hand-offs)"
+        to_decode = ud >= cfg.decode_start_util and n_p > cfg.min_per_role
+        if to_decode and self._pick(members, "prefill") is not None:
             options.append((max(up * n_p / (n_p - 1), ud * n_d / (n_d + 1)), "to_decode", "prefill"))
         if not options:
-            return FlipDecision("none", "no instance can be spared"), sig
+            return FlipDecision("none", short), sig
         after, action, role = min(options)
         if peak - after < cfg.min_gain:
             return FlipDecision("none", f"no flip lowers the peak enough ({peak:.2f} -> {after:.2f})"), sig
