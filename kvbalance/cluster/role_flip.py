@@ -77,9 +77,11 @@ every rule here, the period still costs 55 TTFT misses (attainment 0.971 against
 instance went to decode at 26 s (decode pressure 0.90), and at 32 s the TP-2 decode instance that flipped
 back held 126 running decodes (67k KV tokens); from 33 to 39 s prefill utilisation stayed at 1.05-1.36 while
 a further flip would have left the decode instances short with its hand-offs (the reason in the trace).
-On ``phases-30`` the same period costs less (from 4P + 4D before these changes: requests missing an SLO at
-most 153 against static 4P + 4D's 179 at 30 req/s, at most 646 against at least 1,340 at 36 req/s): the
-residents drain within the longer period.
+On ``phases-30`` (120 s from 4P + 2D TP2) the residents drain within the period, and the trade turns: the
+credit, the hand-off charge and the wait for decode pressure lift SLO attainment at 32 req/s (0.925 ->
+0.979: that period's TPOT misses 261 -> 1) but lower it near the max rate (36 req/s 0.931 -> 0.900, 38
+0.909 -> 0.893): flipping the residents' instances back early costs TPOT for less time than waiting costs
+TTFT (at 38 req/s 303 TTFT and 314 TPOT misses before, 485 and 48 after).
 """
 
 from __future__ import annotations
