@@ -113,7 +113,12 @@ def test_presets_take_their_fractions_from_the_closest_fit():
             want = MEASURED_OVERRIDES.get(name, {}).get(field, getattr(a40, field))
             assert getattr(get_gpu(name), field) == want, name
     # the A100s' own measured value: HBM2e streams at 0.88 of peak where the A40's GDDR6 fit gives 0.77
-    assert get_gpu("a100-80gb").memory_eff_max == get_gpu("a100-40gb").memory_eff_max == 0.88 != a40.memory_eff_max
+    assert (
+        get_gpu("a100-80gb").memory_eff_max
+        == get_gpu("a100-40gb").memory_eff_max
+        == 0.88
+        != a40.memory_eff_max
+    )
     assert get_gpu("l40s").memory_eff_max == a40.memory_eff_max
     assert h200.mem_bandwidth_bytes_s == 4.8e12 and h200.tp_link == h100.tp_link
     assert "A40 fit" in get_gpu("a100-80gb").source and "H100 fit" in h200.source
