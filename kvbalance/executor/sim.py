@@ -9,7 +9,7 @@ import zlib
 from dataclasses import replace
 
 from kvbalance.batch import BatchPlan, KVTransfer, StepResult
-from kvbalance.perf.cost import CostModel, breakdown_total_s, transfer_time
+from kvbalance.perf.cost import CostModel, breakdown_total_s, plan_shape, transfer_time
 from kvbalance.specs import LinkSpec, get_link
 
 # Stand-in token ids live far above any real vocabulary (< 2**18 for every preset) so they never collide with
@@ -53,24 +53,8 @@ def decode_runs_enabled() -> bool:
     return fast_paths_enabled() and os.environ.get("KVBALANCE_SIM_DECODE_RUNS", "0") == "1"
 
 
-def step_shape(plan: BatchPlan) -> tuple:
-    """What the cost model's step time depends on, computed as ``CostModel.op_counts`` aggregates it: the
-    sequence and token counts, the sampled count, each prompt chunk's (new tokens, context) in order (their
-    causal pairs are summed in floats), and the decode count and summed context (integers, order-free).
-    Two plans with one shape take the same time to the last bit (tests/test_search_speed.py checks it)."""
-    tokens = sampled = dec_seqs = dec_ctx = 0
-    chunks = []
-    for s in plan.seqs:
-        n = s.num_new_tokens
-        tokens += n
-        if s.sample:
-            sampled += 1
-        if n == 1:
-            dec_seqs += 1
-            dec_ctx += s.start + 1
-        else:
-            chunks.append((n, s.start + n))
-    return len(plan.seqs), tokens, sampled, dec_seqs, dec_ctx, tuple(chunks)
+# what the cost model's step time depends on (``perf.cost.plan_shape``): the shape cache's key
+step_shape = plan_shape
 
 
 class SimExecutor:

@@ -115,11 +115,13 @@ def tally(seqs: Sequence[SeqWork]) -> tuple[int, int, int, int, float, int, int]
     return tokens, sampled, pre_tokens, pre_ctx, pre_pairs, dec_seqs, dec_ctx
 
 
-def plan_tally(plan: BatchPlan) -> tuple[int, int, int, int, float, int, int]:
-    """:func:`tally` of a plan's sequences (each ``(num_new_tokens, start + num_new_tokens, sample)``), read
-    straight from the plan: the same sums in the same order, without building the tuples."""
-    tokens = sampled = pre_tokens = pre_ctx = dec_seqs = dec_ctx = 0
-    pre_pairs = 0.0
+def plan_shape(plan: BatchPlan) -> tuple:
+    """What the step time of ``plan`` depends on, read straight from its sequences (each ``(num_new_tokens,
+    start + num_new_tokens, sample)``): (sequences, tokens, sampled, decode count, decode context sum, each
+    prompt chunk's (new tokens, context) in order). Two plans of one shape take the same time to the last bit
+    (the simulator's shape cache keys on it). Checks each sequence as :func:`tally` does."""
+    tokens = sampled = dec_seqs = dec_ctx = 0
+    chunks = []
     for s in plan.seqs:
         n = s.num_new_tokens
         if n < 1:
@@ -134,10 +136,26 @@ def plan_tally(plan: BatchPlan) -> tuple[int, int, int, int, float, int, int]:
             ctx = s.start + n
             if ctx < n:
                 raise ValueError(f"context_len: {ctx} is smaller than num_new_tokens {n}")
-            pre_tokens += n
-            pre_ctx += ctx
-            pre_pairs += n * (ctx - n) + n * (n + 1) / 2
+            chunks.append((n, ctx))
+    return len(plan.seqs), tokens, sampled, dec_seqs, dec_ctx, tuple(chunks)
+
+
+def shape_tally(shape: tuple) -> tuple[int, int, int, int, float, int, int]:
+    """:func:`tally` of a :func:`plan_shape`: the same sums in the same order (the chunks' causal pairs summed
+    in floats chunk by chunk), without building the per-sequence tuples."""
+    _, tokens, sampled, dec_seqs, dec_ctx, chunks = shape
+    pre_tokens = pre_ctx = 0
+    pre_pairs = 0.0
+    for n, ctx in chunks:
+        pre_tokens += n
+        pre_ctx += ctx
+        pre_pairs += n * (ctx - n) + n * (n + 1) / 2
     return tokens, sampled, pre_tokens, pre_ctx, pre_pairs, dec_seqs, dec_ctx
+
+
+def plan_tally(plan: BatchPlan) -> tuple[int, int, int, int, float, int, int]:
+    """:func:`tally` of a plan's sequences, read straight from the plan (:func:`plan_shape`)."""
+    return shape_tally(plan_shape(plan))
 
 
 def kv_heads_per_rank(model: ModelSpec, tp: int) -> int:
