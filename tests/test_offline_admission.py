@@ -11,7 +11,12 @@ from kvbalance.request import Request
 
 class _FakeInstance:
     def __init__(self):
+        from types import SimpleNamespace
+
+        from kvbalance.scheduler.config import SchedulerConfig
+
         self.added = []
+        self.scheduler = SimpleNamespace(running=[], config=SchedulerConfig(max_num_batched_tokens=2048))
 
     def add_request(self, req, now):
         self.added.append(req)
@@ -106,3 +111,23 @@ def test_peak_rule_staggers_a_wave_of_equal_long_decodes():
     assert started == {"average": 10, "peak": 5}
     with pytest.raises(ValueError, match="memory_rule"):
         DualScanAdmission([], [0], p, d, mem, mem, 1.0, 6000, memory_rule="max")
+
+
+def test_auto_memory_rule_staggers_only_a_memory_side_of_several_generations():
+    from kvbalance.offline.density import DensityConstants, comp_s, mem_s
+
+    k = DensityConstants.for_model("llama-2-7b", "a100-80gb")
+
+    def admission(n_memory: int) -> DualScanAdmission:
+        p = np.array([600.0] * 100 + [64.0] * n_memory)
+        d = np.array([2.0] * 100 + [3000.0] * n_memory)
+        comp, mem = comp_s(p, d, k), mem_s(p, d, k)
+        reqs = [Request(f"q{i}", [1] * int(p[i]), max_tokens=int(d[i])) for i in range(len(p))]
+        rho_root = float(comp.sum() / mem.sum())
+        return DualScanAdmission([], list(range(len(p))), p, d, comp, mem, rho_root, 100_000).bind(reqs)
+
+    one = admission(10)  # 10 x (64 x 3000 + 3000^2 / 2) KV-token-steps: a fraction of one generation
+    assert one.generations < 1.5 and one.memory_rule == "average"
+    many = admission(200)  # 20 times as much: they cannot all run at once, starts must be staggered
+    assert many.generations == pytest.approx(20 * one.generations, rel=0.05)
+    assert many.generations > 1.5 and many.memory_rule == "peak"

@@ -6,23 +6,35 @@ the engine's waiting queue from the two ends under both of the scan's per-step l
 
 * memory: a side may add requests while the KV its released, unfinished requests hold on average over their
   lives (p + d / 2 tokens each, with d the estimated output) stays within its share M_L or M_R (the paper's
-  rule, ``memory_rule="average"``, the default). ``memory_rule="peak"`` also keeps the peak of the memory-heavy
-  side's projected KV within M_R: each released request holds p + its outputs so far and grows one token a
-  step until its estimated output ends, and a new one may start only if that sum, with it, never exceeds the
-  share. On averages the first wave of long decodes starts together, grows in step and fills the whole
-  memory at once (the compute-heavy side's prefills stop) before it ends together; the peak rule staggers
-  them, but trusts the estimated lengths: an overestimate leaves memory idle. Measured (BlendServe trace #1,
-  64k requests, docs/reproductions.md): 77.3% of the practical optimum against 74.5% on averages; at 16k
-  requests, and on a crafted job of equal lengths, it loses (61.9% against 71.5% at 16k);
+  rule, ``memory_rule="average"``). ``memory_rule="peak"`` also keeps the peak of the memory-heavy side's
+  projected KV within M_R: each released request holds p + its outputs so far and grows one token a step
+  until its estimated output ends, and a new one may start only if that sum, with it, never exceeds the
+  share. On averages a wave of long decodes starts together, grows in step and fills the whole memory at
+  once (the compute-heavy side's prefills stop) before it ends together; the peak rule staggers them, which
+  pays when the memory-heavy work spans several generations of the share and costs when it fits in one (a
+  stagger then only delays the longest chain). ``memory_rule="auto"`` (the default) takes the peak rule when
+  the memory-heavy requests' estimated KV area, sum (p d + d^2 / 2), exceeds 1.5 times the share held for the
+  longest one's life (``generations``), the average rule otherwise. The peak rule trusts the estimated
+  lengths, so the estimates of the memory-heavy requests are refined as they finish (``refit_lengths``,
+  ``refit.py``: one Kaplan-Meier fit per group of requests estimated alike, the running ones censored).
+  Measured in docs/reproductions.md (BlendServe, issue 28);
 * prefill: a side may add requests while its prefill budget C_L or C_R (tokens per step, credited every step,
   none banked past one step) has credit; a release spends the request's computed prompt tokens. C_L follows
   ``budget_rule`` (``dual_scan.py``): by default the rate at which the compute-heavy side ends when the
   memory-heavy one does, counted from what is pending and from the running memory-heavy requests' remaining
-  estimated outputs.
+  estimated outputs and KV area.
 
 Both are recomputed each step from the densities and lengths at the two ends. The engine then admits what it
 was given FCFS, so memory pressure and the prefill tokens of each step follow the plan's balance instead of
 the queue's length.
+
+The budgets are the step's chunked-prefill sizes, as in the paper (``pace_engine``, the default): before each
+step the engine's token budget is set to its decoding requests plus C_L + C_R (at least 128 tokens), so a
+released prompt is computed over the following steps at the budgets' rate. Credit alone paces releases, not
+chunks: a 1,000-token prompt released on credit of 400 was prefilled whole in one step under the engine's
+2,048-token budget, a compute-bound step followed by memory-bound ones with nothing to hide under them
+(BlendServe trace #1, 16k requests: 71.5% of the practical optimum with credit alone, 81.7% paced;
+docs/reproductions.md). Once the scan has released everything the engine's own budget returns.
 """
 
 from __future__ import annotations
@@ -31,10 +43,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvbalance.offline.dual_scan import BUDGET_RULES, PrefillBudget, ScanEnds
+from kvbalance.offline.dual_scan import BUDGET_RULES, CHUNK_QUANTUM, PrefillBudget, ScanEnds
+from kvbalance.offline.refit import LengthRefit
 from kvbalance.request import Request
 
-MEMORY_RULES = ("peak", "average")
+MEMORY_RULES = ("auto", "peak", "average")
+AUTO_PEAK_GENERATIONS = 1.5  # ``memory_rule="auto"``: the peak rule past this many generations (see above)
 
 
 class DualScanAdmission:
@@ -64,7 +78,9 @@ class DualScanAdmission:
         enforce_budgets: bool = True,
         budget_rule: str = "aligned",
         requests: Sequence[Request] = (),
-        memory_rule: str = "average",
+        memory_rule: str = "auto",
+        pace_engine: bool = True,
+        refit_lengths: bool = True,
     ) -> None:
         if budget_rule not in BUDGET_RULES:
             raise ValueError(f"budget_rule: must be one of {', '.join(BUDGET_RULES)}, got {budget_rule!r}")
@@ -76,7 +92,11 @@ class DualScanAdmission:
             "enforce_budgets": enforce_budgets,
             "budget_rule": budget_rule,
             "memory_rule": memory_rule,
+            "pace_engine": pace_engine,
+            "refit_lengths": refit_lengths,
         }
+        self.pace_engine = pace_engine
+        self._engine_budget: int | None = None  # the engine's own token budget, restored after the scan
         self.budget_rule = budget_rule
         self.memory_rule = memory_rule
         self.requests = requests
@@ -84,16 +104,27 @@ class DualScanAdmission:
         self.seq = list(seq)
         self.pc = np.asarray(prompt_lens, dtype=np.float64)
         d = np.asarray(output_lens, dtype=np.float64)
-        self.foot = self.pc + d / 2
-        self.d = d
+        self.d0 = d  # the planner's estimates (priors)
+        self.d = d.copy()  # the current estimates (``refit_lengths``)
+        self.foot = self.pc + self.d / 2
         comp = np.asarray(eff_comp_s, dtype=np.float64)
         mem = np.asarray(mem_s, dtype=np.float64)
         self.heavy = (mem > 0) & (comp < rho_root * mem)  # memory-heavy: density below the job's
         s = np.asarray(self.seq, dtype=np.int64)
         take = (lambda a: np.asarray(a, dtype=np.float64)[s]) if len(s) else (lambda a: np.zeros(0))
-        self.ends = ScanEnds(take(eff_comp_s), take(mem_s), take(self.pc), take(d), rho_root)
+        self._take = take
+        self._comp_mem = (eff_comp_s, mem_s)
+        self.ends = ScanEnds(take(eff_comp_s), take(mem_s), take(self.pc), take(self.d), rho_root, area=True)
+        # one fit per prior value among the memory-heavy requests: requests estimated alike were estimated
+        # from the same samples (one subtree's), so their errors share a factor; others do not
+        self.refit: dict[float, LengthRefit] | None = {} if refit_lengths else None
+        self._refit_step = 0
+        self._refit_mean: dict[float, float] = {}
         self.rho_root = rho_root
         self.m_tokens = m_tokens
+        self.generations = self._generations()
+        if memory_rule == "auto":
+            self.memory_rule = "peak" if self.generations > AUTO_PEAK_GENERATIONS else "average"
         self.chunk_tokens = chunk_tokens
         self.enforce_budgets = enforce_budgets
         self.left, self.right = 0, len(self.seq) - 1
@@ -105,6 +136,20 @@ class DualScanAdmission:
         self.budgets: tuple[int, int] = (0, 0)  # this step's C_L, C_R
         self.released_tokens: list[tuple[float, float]] = []  # per step: prompt tokens released per side
 
+    def _generations(self) -> float:
+        """How many times over the memory-heavy requests' estimated KV area, sum (p d + d^2 / 2), fills the
+        memory-heavy share for the longest one's life (0: none)."""
+        if not len(self.seq):
+            return 0.0
+        s = np.asarray(self.seq, dtype=np.int64)
+        heavy = s[self.heavy[s]]
+        if not len(heavy):
+            return 0.0
+        pc, d = self.pc[heavy], self.d[heavy]
+        m_r = self.ends.split(0, len(self.seq) - 1, self.rho_root, self.m_tokens)[1]
+        span = m_r * float(d.max())
+        return float((pc * d + d * d / 2).sum()) / span if span > 0 else 0.0
+
     def bind(self, requests: Sequence[Request]) -> DualScanAdmission:
         return DualScanAdmission(*self._args, **self._kw, requests=requests)
 
@@ -112,16 +157,18 @@ class DualScanAdmission:
     def pending(self) -> int:
         return len(self.warmup) + max(self.right - self.left + 1, 0)
 
-    def _live_memory(self) -> tuple[int, float, float]:
-        """(count, estimated output tokens still to decode, longest of them) of the released, unfinished
-        memory-heavy requests."""
-        rem = [
-            max(float(self.d[i]) - self.requests[i].num_output_tokens, 1.0)
-            for side in (0, 1)
-            for i in self.live[side]
-            if self.heavy[i]
-        ]
-        return len(rem), float(sum(rem)), max(rem, default=0.0)
+    def _live_memory(self) -> tuple[int, float, float, float]:
+        """(count, estimated output tokens still to decode, longest of them, KV-token-steps still to hold)
+        of the released, unfinished memory-heavy requests."""
+        rem, area = [], 0.0
+        for side in (0, 1):
+            for i in self.live[side]:
+                if self.heavy[i]:
+                    g = self.requests[i].num_output_tokens
+                    r = max(float(self.d[i]) - g, 1.0)
+                    rem.append(r)
+                    area += (float(self.pc[i]) + g) * r + r * r / 2
+        return len(rem), float(sum(rem)), max(rem, default=0.0), area
 
     def _peak_fits(self, i: int, cap: float) -> bool:
         """Whether the memory-heavy side's projected KV, with request ``i`` started now, stays within ``cap``
@@ -158,12 +205,82 @@ class DualScanAdmission:
         self.released.append(i)
         instance.add_request(self.requests[i], now)
 
+    def _pace(self, instance) -> None:
+        """Set the engine's token budget for this step: its decodes plus C_L + C_R while the scan runs
+        (``pace_engine``), its own budget after."""
+        config = instance.scheduler.config
+        if self._engine_budget is None:
+            self._engine_budget = config.max_num_batched_tokens
+        if self.left > self.right:
+            config.max_num_batched_tokens = self._engine_budget
+            return
+        decodes = sum(
+            1
+            for r in instance.scheduler.running
+            if r.num_prompt_tokens + r.num_output_tokens - r.num_computed_tokens == 1
+        )
+        chunk = max(CHUNK_QUANTUM, self.budgets[0] + self.budgets[1])
+        config.max_num_batched_tokens = decodes + min(chunk, self._engine_budget)
+
     def before_step(self, instance, now: float) -> None:
+        self._scan(instance, now)
+        if self.pace_engine and self.enforce_budgets:
+            self._pace(instance)
+
+    REFIT_EVERY = 512  # steps between refits when no memory-heavy request finished
+
+    def _refit(self, finished: list[int]) -> None:
+        """Record finished memory-heavy requests and, where a group's fit is active, refine the estimates of
+        its running and pending requests (``refit.py``); the scan's window sums follow."""
+        fits = self.refit
+        heavy_done = [i for i in finished if self.heavy[i]]
+        for i in heavy_done:
+            key = float(self.d0[i])
+            fits.setdefault(key, LengthRefit()).add(self.requests[i].num_output_tokens, key)
+        self._refit_step += 1
+        if not heavy_done and self._refit_step < self.REFIT_EVERY:
+            return
+        self._refit_step = 0
+        live: dict[float, list[int]] = {}
+        for side in (0, 1):
+            for i in self.live[side]:
+                if self.heavy[i] and float(self.d0[i]) in fits:
+                    live.setdefault(float(self.d0[i]), []).append(i)
+        moved: dict[float, float] = {}
+        for key, rf in fits.items():
+            if not rf.active:
+                continue
+            mine = live.get(key, [])
+            rf.fit([self.requests[i].num_output_tokens / max(key, 1.0) for i in mine])
+            for i in mine:
+                self.d[i] = rf.estimate(key, self.requests[i].num_output_tokens)
+                self.foot[i] = self.pc[i] + self.d[i] / 2
+            old = self._refit_mean.get(key, 1.0)
+            if abs(rf.mean_ratio - old) > 0.01 * old:
+                moved[key] = self._refit_mean[key] = rf.mean_ratio
+        if moved and self.left <= self.right:
+            pending = np.asarray(self.seq[self.left : self.right + 1], dtype=np.int64)
+            pending = pending[self.heavy[pending]]
+            for key, mean in moved.items():
+                group = pending[self.d0[pending] == key]
+                self.d[group] = np.maximum(key * mean, 1.0)
+                self.foot[group] = self.pc[group] + self.d[group] / 2
+            comp, mem = self._comp_mem
+            take = self._take
+            self.ends = ScanEnds(take(comp), take(mem), take(self.pc), take(self.d), self.rho_root, area=True)
+        for side in (0, 1):
+            self.used[side] = float(self.foot[self.live[side]].sum()) if self.live[side] else 0.0
+
+    def _scan(self, instance, now: float) -> None:
+        done: list[int] = []
         for side in (0, 1):  # forget finished requests
             keep = [i for i in self.live[side] if not self.requests[i].is_finished]
             if len(keep) != len(self.live[side]):
+                done.extend(i for i in self.live[side] if self.requests[i].is_finished)
                 self.live[side] = keep
                 self.used[side] = float(self.foot[keep].sum()) if keep else 0.0
+        if self.refit is not None:
+            self._refit(done)
         while self.warmup:
             self._release(instance, self.warmup.pop(0), now)
         if self.left > self.right:

@@ -127,10 +127,17 @@ class ScanEnds:
     tokens, count and KV footprint of the memory-heavy ones between two positions."""
 
     def __init__(
-        self, comp: np.ndarray, mem: np.ndarray, pc: np.ndarray, d: np.ndarray, rho_root: float = 0.0
+        self,
+        comp: np.ndarray,
+        mem: np.ndarray,
+        pc: np.ndarray,
+        d: np.ndarray,
+        rho_root: float = 0.0,
+        area: bool = False,
     ) -> None:
         self.comp, self.mem, self.pc, self.d = comp, mem, pc, d
         self.rho_root = rho_root
+        self.area = area  # count the memory side's steps left by its KV area too (``aligned_budget``)
         self._stats: dict[tuple[int, int], tuple[float, float, float]] = {}
         self.heavy = heavy = (mem > 0) & (comp < rho_root * mem)  # memory-heavy: density below the job's
         zero = np.zeros(1)
@@ -138,6 +145,8 @@ class ScanEnds:
         self._d_memory = np.concatenate([zero, np.cumsum(np.where(heavy, d, 0.0))])
         self._n_memory = np.concatenate([zero, np.cumsum(heavy.astype(np.float64))])
         self._foot_memory = np.concatenate([zero, np.cumsum(np.where(heavy, pc + d / 2, 0.0))])
+        # KV-token-steps a memory-heavy request occupies over its life: p d + d^2 / 2
+        self._area_memory = np.concatenate([zero, np.cumsum(np.where(heavy, pc * d + d * d / 2, 0.0))])
 
     def _window(self, lo: int, hi: int) -> tuple[float, float, float]:
         """(density, mean computed prompt, mean output) of [lo, hi), memoised: a scan asks for the same
@@ -198,12 +207,19 @@ class ScanEnds:
         right: int,
         m_memory_tokens: float,
         chunk_tokens: int,
-        live_memory: tuple[int, float, float] = (0, 0.0, 0.0),
+        live_memory: tuple[float, ...] = (0, 0.0, 0.0),
     ) -> int:
         """Prefill tokens per step at which the compute-heavy requests in [left, right] end when the
-        memory-heavy ones (pending there and ``live_memory`` running) do: at least 16, at most the chunk."""
+        memory-heavy ones (pending there and ``live_memory`` running: count, output tokens left, longest
+        left, and optionally the KV-token-steps left) do: at least 16, at most the chunk.
+
+        The memory side's steps left are the most of: its output tokens over the requests it runs at once,
+        its longest running request, and (``area``) the KV-token-steps its requests still occupy,
+        sum (p d + d^2 / 2), over its share of the memory: with requests of very different lengths (a few
+        long videos among many short answers) the count of what fits says little, the area does."""
         lo, hi = left, right + 1
-        n_live, live_tokens, live_longest = live_memory
+        n_live, live_tokens, live_longest = live_memory[:3]
+        live_area = live_memory[3] if len(live_memory) > 3 else 0.0
         decode = float(self._d_memory[hi] - self._d_memory[lo]) + live_tokens
         if decode <= 0:
             return chunk_tokens  # nothing memory-heavy left: compute at full speed
@@ -211,6 +227,9 @@ class ScanEnds:
         foot = float(self._foot_memory[hi] - self._foot_memory[lo]) / pending if pending else 0.0
         fits = min(m_memory_tokens / foot, pending + n_live) if foot > 0 else 0.0
         steps = max(decode / max(float(n_live), fits, 1.0), live_longest, 1.0)
+        if self.area and m_memory_tokens > 0:
+            area = float(self._area_memory[hi] - self._area_memory[lo]) + live_area
+            steps = max(steps, area / m_memory_tokens)
         tokens = float(self._pc_compute[hi] - self._pc_compute[lo])
         return min(chunk_tokens, max(16, int(math.ceil(tokens / steps))))
 

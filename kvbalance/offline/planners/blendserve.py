@@ -45,17 +45,20 @@ class BlendServePlanner:
         enforce_budgets: bool = True,
         live_admission: bool = True,
         budget_rule: str = "aligned",
-        memory_rule: str = "average",
+        memory_rule: str = "auto",
+        pace_engine: bool = True,
     ) -> None:
         """``enforce_budgets=False`` drops C_L / C_R (memory shares only); ``live_admission=False`` leaves
         the engine the static ``order`` alone (both ablations); ``budget_rule="paper"`` sets C_L as
         N_L p / d (``dual_scan.py``); ``memory_rule`` is the live admission's memory-heavy share check
-        (``admission.py``)."""
+        (``admission.py``); ``pace_engine=False`` leaves the engine's chunk budget alone (the budgets then pace
+        releases only, ``admission.py``)."""
         self.keep_sharing = keep_sharing
         self.enforce_budgets = enforce_budgets
         self.live_admission = live_admission
         self.budget_rule = budget_rule
         self.memory_rule = memory_rule
+        self.pace_engine = pace_engine
 
     def plan(self, requests: Sequence[Request], ctx: PlanContext) -> OfflinePlan:
         k = constants(ctx)
@@ -128,6 +131,7 @@ class BlendServePlanner:
                 enforce_budgets=self.enforce_budgets,
                 budget_rule=self.budget_rule,
                 memory_rule=self.memory_rule,
+                pace_engine=self.pace_engine,
             )
         plan.batches = ds.batches
         plan.stats = stats
