@@ -275,3 +275,24 @@ def test_aligned_scan_ends_the_compute_side_with_the_memory_side():
     assert sorted(paper.order) == seq and paper.c_left_tokens != res.c_left_tokens
     with pytest.raises(ValueError, match="budget_rule: must be one of aligned, paper"):
         dual_scan(seq, p, d, comp, mem, rho_root, 100_000, 2048, budget_rule="fast")
+
+
+def test_aligned_budget_counts_the_memory_sides_kv_area():
+    # compute-heavy: 100 x 600 prompt tokens; memory-heavy: one 20,000-token decode among 100 of 1,000 tokens.
+    # By count, all 101 fit a 100k-token share at once (100 x 516 + 10,016 on average) and their 120,000
+    # output tokens take ~1,200 steps; by area the long one alone holds 200M KV-token-steps, 2,000 steps of
+    # the share, so the compute side must be paced over at least those.
+    p = np.array([600.0] * 100 + [16.0] * 101)
+    d = np.array([2.0] * 100 + [20_000.0] + [1_000.0] * 100)
+    mem = mem_s(p, d, K)
+    comp = np.where(d > 2, 0.01, 100.0) * mem  # the two kinds, whatever the model's constants
+    rho_root = float(comp.sum() / mem.sum())
+    n = len(p)
+    ends = ScanEnds(comp, mem, p, d, rho_root, area=True)
+    assert ends.heavy.sum() == 101
+    by_count = ScanEnds(comp, mem, p, d, rho_root).aligned_budget(0, n - 1, 100_000, 2048)
+    by_area = ends.aligned_budget(0, n - 1, 100_000, 2048)
+    area = 16 * 20_000 + 20_000**2 / 2 + 100 * (16 * 1_000 + 1_000**2 / 2)
+    assert by_count == int(np.ceil(100 * 600 / (121_000 / 101)))
+    assert by_area == int(np.ceil(100 * 600 / (area / 100_000)))
+    assert by_count > 1.5 * by_area
