@@ -124,6 +124,9 @@ class MemberSignal:
     # a decode instance: the share of a prefill instance's prompt throughput it gives once flipped, its
     # residents decoding on in every step (1: none left); a prefill instance: 1
     prefill_credit: float = 1.0
+    # a decode instance whose residents would move once flipped (cluster/resident_drain.py): the decode
+    # pressure they bring the other decode instances (their mean); 0 without resident drain
+    drain_util: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,7 @@ class RoleFlipPolicy:
             pick = self._pick(members, "decode")
             rest = [m.util for m in members if m.role == "decode" and m is not pick]
             if pick is not None:
-                d_after = sum(rest) / len(rest) + sig.handoff_util / (n_d - 1)
+                d_after = sum(rest) / len(rest) + pick.drain_util + sig.handoff_util / (n_d - 1)
                 if d_after < 1.0:  # they keep room for new hand-offs
                     p_after = up * n_p / (n_p + pick.prefill_credit)
                     options.append((max(p_after, d_after), "to_prefill", "decode"))
