@@ -339,6 +339,9 @@ class MigrationController:
             self.flips.flipped(now)
             if self.drain is not None and m.role == "prefill":
                 self.drain.drain(m)
+            # the what-if oracle may take several flips in one tick (role_log records each)
+            if getattr(self.flips, "more_flips", lambda _: False)(now):
+                self._flip(cluster, now, seen, backlog)
         return d, signals
 
     def _drained_signals(self, cluster: Cluster, now: float, sigs: list[MemberSignal]) -> list[MemberSignal]:

@@ -2,18 +2,17 @@
 
 Used to bound what role flips can give on a phase-shifting load (``workloads/phases.py``): instead of
 reading the instances' load (``role_flip.RoleFlipPolicy``), it flips toward a fixed number of prefill
-instances per phase, ``shift_s[j]`` seconds after phase j begins (negative: before it), one instance per
-control tick. With
+instances in each part of the load's cycle (``schedule``; ``PhaseOracle.phases``: per phase, shifted),
+``flips_per_tick`` instances per control tick. With
 ``MigrationSection(drain_residents=True, drain_free=True)`` a decode instance flipped to prefill hands its
 running decodes to the other decode instances at no cost where their KV fits (``resident_drain.py``), so
-the schedule is the only thing left to choose: a search over it (``prefill`` and ``shift_s`` per phase) gives
+the schedule is the only thing left to choose: a search over it gives
 the best any flip policy could do with that mechanism. No serving system can know the schedule; results
 under it are labelled as a what-if wherever reported.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -22,31 +21,46 @@ from kvbalance.cluster.role_flip import FlipDecision, MemberSignal, RoleSignals,
 
 
 class PhaseOracle(BaseModel):
-    """The schedule: phases of ``period_s`` each, in a cycle; ``prefill[j]`` prefill instances in phase j."""
+    """The schedule over a cycle of ``cycle_s``: from each ``(start_s, n)`` of ``schedule`` (offsets into the
+    cycle, ascending) on, ``n`` prefill instances; ``flips_per_tick``: flips a control tick may take (the
+    oracle knows where it is going: it need not wait for signals between flips)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    period_s: float = Field(gt=0)
-    prefill: tuple[int, ...]
-    shift_s: tuple[float, ...] | None = None  # per phase; None: 0 each (flip as the phase begins)
+    cycle_s: float = Field(gt=0)
+    schedule: tuple[tuple[float, int], ...]
+    flips_per_tick: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _valid(self) -> PhaseOracle:
-        if not self.prefill or min(self.prefill) < 1:
-            raise ValueError(f"prefill: one count >= 1 per phase, got {self.prefill!r}")
-        if self.shift_s is not None and (
-            len(self.shift_s) != len(self.prefill) or max(map(abs, self.shift_s)) >= self.period_s / 2
-        ):
-            raise ValueError(f"shift_s: one per phase, each within half a period, got {self.shift_s!r}")
+        starts = [t for t, _ in self.schedule]
+        if not self.schedule or starts != sorted(starts) or not 0 <= starts[0] <= starts[-1] < self.cycle_s:
+            raise ValueError(f"schedule: (start_s, n) ascending within [0, cycle_s), got {self.schedule!r}")
+        if min(n for _, n in self.schedule) < 1:
+            raise ValueError(f"schedule: every count >= 1, got {self.schedule!r}")
         return self
 
+    @classmethod
+    def phases(cls, period_s: float, prefill: tuple[int, ...], shift_s: tuple[float, ...] | None = None,
+               flips_per_tick: int = 1) -> PhaseOracle:  # fmt: skip
+        """``prefill[j]`` instances in phase j of ``period_s`` each, from ``shift_s[j]`` seconds after it
+        begins (negative: before; the cycle wraps)."""
+        n = len(prefill)
+        shift = shift_s or (0.0,) * n
+        if len(shift) != n:
+            raise ValueError(f"shift_s: one per phase, got {shift_s!r}")
+        cycle = n * period_s
+        sched = sorted(((j * period_s + shift[j]) % cycle, prefill[j]) for j in range(n))
+        return cls(cycle_s=cycle, schedule=tuple(sched), flips_per_tick=flips_per_tick)
+
     def wanted(self, now: float) -> int:
-        """Prefill instances the schedule wants at ``now``: those of the phase whose (shifted) start was last."""
-        n, p = len(self.prefill), self.period_s
-        shifts = self.shift_s or (0.0,) * n
-        cycle = n * p
-        starts = [j * p + shifts[j] + cycle * math.floor((now - j * p - shifts[j]) / cycle) for j in range(n)]
-        return self.prefill[max(range(n), key=lambda j: starts[j])]
+        """Prefill instances the schedule wants at ``now`` (before the cycle's first start: its last entry)."""
+        x = now % self.cycle_s
+        n = self.schedule[-1][1]
+        for t, k in self.schedule:
+            if t <= x:
+                n = k
+        return n
 
 
 class PhaseOraclePolicy:
@@ -56,6 +70,7 @@ class PhaseOraclePolicy:
         self.oracle = oracle
         self.ttft_slo_s = ttft_slo_s
         self.last_flip_s: float | None = None
+        self._tick_flips = 0  # flips taken at ``last_flip_s``
 
     def decide(
         self, now: float, members: Sequence[MemberSignal], handoff_util: float = 0.0
@@ -75,4 +90,9 @@ class PhaseOraclePolicy:
         return FlipDecision("none", f"schedule: {want} prefill (as is)"), sig
 
     def flipped(self, now: float) -> None:
+        self._tick_flips = self._tick_flips + 1 if now == self.last_flip_s else 1
         self.last_flip_s = now
+
+    def more_flips(self, now: float) -> bool:
+        """May another flip be taken at ``now`` (``flips_per_tick``)?"""
+        return now != self.last_flip_s or self._tick_flips < self.oracle.flips_per_tick
