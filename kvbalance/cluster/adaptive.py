@@ -104,7 +104,9 @@ class MigrationSection(BaseModel):
     )
     drain_free: bool = Field(False, description="what-if: resident moves take no time (an upper bound)")
     # what-if: flips follow the load's known phase schedule (whatif_phase_oracle.py), not its measured load
-    flip_oracle: PhaseOracle | None = None
+    flip_oracle: PhaseOracle | None = Field(
+        None, description="what-if: flip by this known phase schedule (whatif_phase_oracle.py), not by load"
+    )
     ttft_slo_s: float | None = Field(
         None,
         gt=0,
