@@ -23,6 +23,7 @@ time series plotted (``flip_bound.png``).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import time
 from pathlib import Path
@@ -60,6 +61,61 @@ def oracle(k0: int, k1: int, drain: bool):
     mig = MigrationSection(role_flip=True, moves=False, drain_residents=drain, drain_free=drain,
                            flip_oracle=PhaseOracle.phases(PERIOD_S, (k0, k1)))  # fmt: skip
     return system_config("banaserve", 8, (4, 4, 1, 1)).model_copy(update={"migration": mig})
+
+
+# schedules over the 30 s cycle (start in the cycle, prefill instances of the 8): per-phase counts flipped early
+# or late, and counts that change inside a period
+SCHEDULES = (
+    ((0.0, 6), (15.0, 2)),
+    ((0.0, 6), (14.0, 2)),
+    ((0.0, 6), (16.0, 2)),
+    ((15.0, 2), (29.0, 6)),
+    ((1.0, 6), (15.0, 2)),
+    ((0.0, 5), (3.0, 6), (15.0, 2)),
+    ((0.0, 7), (3.0, 6), (15.0, 2)),
+    ((0.0, 6), (10.0, 5), (15.0, 2)),
+    ((0.0, 6), (15.0, 3), (20.0, 2)),
+    ((0.0, 6), (15.0, 2), (25.0, 3)),
+    ((0.0, 6), (15.0, 2), (27.0, 4)),
+    ((0.0, 6), (15.0, 3)),
+)
+
+
+def schedule_oracle(sched, drain: bool, flips_per_tick: int = 1):
+    mig = MigrationSection(role_flip=True, moves=False, drain_residents=drain, drain_free=drain,
+                           flip_oracle=PhaseOracle(cycle_s=2 * PERIOD_S, schedule=sched,
+                                                   flips_per_tick=flips_per_tick))  # fmt: skip
+    return system_config("banaserve", 8, (4, 4, 1, 1)).model_copy(update={"migration": mig})
+
+
+def demand(res, bin_s: float = 1.0) -> dict:
+    """What the load asks of the GPUs each second, in TP-1 GPUs (a fluid estimate from the run's requests and
+    the cost model, for the plot): prompts arriving (their tokens x a 512-token chunk's seconds per token),
+    and the decodes running (requests between their first token and their end, over the most a TP-1 GPU
+    decodes within the TPOT SLO at their mean context, or their KV over its pool, whichever is more)."""
+    cl = res.cluster
+    cm = next(m for m in cl.members if len(m.gpus) == 1).instance.executor.cost_model
+    cap = next(m for m in cl.members if len(m.gpus) == 1).instance.kv_capacity_tokens
+    s_per_token = cm.step_seconds([(512, 512, True)]) / 512
+    reqs = res.run.requests
+    end = max(r.finish_s for r in reqs if r.finish_s is not None)
+    t = np.arange(0.0, end + bin_s, bin_s)
+    prefill = np.zeros(len(t))
+    for r in reqs:
+        prefill[int(r.arrival_s // bin_s)] += r.num_prompt_tokens * s_per_token / bin_s
+    decode = np.zeros(len(t))
+    live = [r for r in reqs if r.first_token_s is not None and r.finish_s is not None]
+    for j, x in enumerate(t):
+        now = [r for r in live if r.first_token_s <= x < r.finish_s]
+        if not now:
+            continue
+        ctx = [r.num_prompt_tokens + bisect.bisect_right(r.token_times_s, x) for r in now]  # KV held at x
+        mean = int(sum(ctx) / len(ctx))
+        n = 1
+        while n < 512 and cm.step_seconds([(1, mean, False)] * (n + 1)) <= ST.tpot_slo_s:
+            n += 1
+        decode[j] = max(len(now) / n, sum(ctx) / cap)
+    return {"demand_prefill_gpus": prefill.tolist(), "demand_decode_gpus": decode.tolist()}
 
 
 def configs() -> dict:
@@ -172,7 +228,12 @@ def plot(out: Path, runs: dict) -> None:
                  label="KV on decode instances (TP-1 GPUs' worth)")  # fmt: skip
         ax2.plot(t, np.array(s["kv_tokens_on_prefill"]) / 62480, color="tab:green",
                  label="KV on prefill instances (GPUs' worth)")  # fmt: skip
-        ax2.set_ylim(0, 8.5)
+        if "demand_prefill_gpus" in s:
+            dem = np.array(s["demand_prefill_gpus"]) + np.array(s["demand_decode_gpus"])
+            ax2.plot(t[: len(dem)], dem[: len(t)], color="tab:purple", ls="--",
+                     label="demand: prompts arriving + decodes running (TP-1 GPUs, fluid estimate)")  # fmt: skip
+            ax2.axhline(8, color="tab:purple", lw=0.5)
+        ax2.set_ylim(0, 12)
         ax2.set_ylabel("GPUs")
         ax.set_title(f"{name}: attainment {r['slo_attainment']:.3f} at {r['rate_rps']:.1f} req/s "
                      "(grey: prefill-heavy periods)")  # fmt: skip
@@ -199,7 +260,8 @@ def main() -> None:
         result["max_rate_5pct"][name] = coarse.max_rate_at_slo(cfg, DISTSERVE, 1.05)
         print(f"{name}: {result['max_rate_5pct'][name]:.2f}", flush=True)
     best_oracle = max((n for n in cfgs if n.startswith("whatif")), key=lambda n: result["max_rate_5pct"][n])
-    fine_names = ["distserve 4P+2D(tp2)", "banaserve 4P+2D(tp2)", "banaserve 4P+2D(tp2) +drain", best_oracle,
+    fine_names = ["distserve 4P+2D(tp2)", "distserve 4P+4D", "banaserve 4P+2D(tp2)", "banaserve 4P+2D(tp2) +drain",
+                  best_oracle,
                   best_oracle + " +drain-free" if "drain" not in best_oracle else best_oracle.split(" +")[0]]  # fmt: skip
     fine = workbench(0.01)
     result["max_rate_1pct"] = {}
@@ -207,6 +269,18 @@ def main() -> None:
         lo = result["max_rate_5pct"][name]
         result["max_rate_1pct"][name] = fine.max_rate_at_slo(cfgs[name], lo or DISTSERVE, 1.01)
         print(f"1%: {name}: {result['max_rate_1pct'][name]:.2f}", flush=True)
+    best_static = max(result["max_rate_1pct"][n] for n in fine_names if n.startswith("distserve"))
+    result["best_static_1pct"] = best_static
+    rates = (TARGET, 1.2 * best_static)
+    result["schedules"] = {"rates_rps": rates, "attainment": {}}
+    for sched in SCHEDULES:
+        for drain in (False, True):
+            name = "; ".join(f"{n}P from {t:g} s" for t, n in sched) + (" +drain-free" if drain else "")
+            cfg = schedule_oracle(sched, drain)
+            result["schedules"]["attainment"][name] = [
+                coarse.run(cfg, r).summary["slo_attainment"] for r in rates
+            ]
+            print(f"schedule {name}: {result['schedules']['attainment'][name]}", flush=True)
     result["per_phase_max_rate_5pct"] = {}
     for name in ("distserve 4P+2D(tp2)", "banaserve 4P+2D(tp2)", best_oracle, fine_names[-1]):
         result["per_phase_max_rate_5pct"][name] = [
@@ -221,7 +295,7 @@ def main() -> None:
         runs[name] = {"rate_rps": TARGET, "slo_attainment": s["slo_attainment"], "role_flips": s["role_flips"],
                       "drain_moved": s.get("drain_moved"), "preemptions": s["preemptions"],
                       "per_period": per_period(coarse, res.run.requests), "role_log": s["role_log"],
-                      "series": series(res, coarse)}  # fmt: skip
+                      "series": series(res, coarse) | demand(res)}  # fmt: skip
         print(f"at {TARGET:.1f}: {name}: {s['slo_attainment']:.4f}", flush=True)
     result["at_1_2x"] = runs
     result["configs"] = {n: c.model_dump(exclude_defaults=True) for n, c in cfgs.items()}
