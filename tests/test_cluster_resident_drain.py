@@ -185,3 +185,40 @@ def test_phase_oracle_schedule_and_its_run():
     )
     log = res.summary["role_log"]
     assert [(f["t_s"], f["to"]) for f in log if 2.9 < f["t_s"] < 3.6] == [(3.0, "decode"), (3.0, "decode")]
+
+
+def test_a_resident_aborted_while_its_kv_is_copied_or_in_the_stop_and_copy_frees_everything_once():
+    """A client abort during the pre-copy (the request is still on the source) and during the stop-and-copy
+    (it waits for its KV on the destination): the request ends aborted, the batch moves the others, and every
+    block comes back (both holds go when the copy lands)."""
+    sim = SimulateConfig(workload=DECODE_HEAVY, rate=30.0, num_requests=60, **SIM)
+    cluster = build_cluster(sim, _cfg(**HELD), check_invariants=True)
+    d0 = next(m for m in cluster.members if m.role == "decode")
+    drain = cluster.migration.drain
+    aborted = {}
+    stop = drain._stop
+
+    def stop_then_abort(b):  # abort one resident right after the stop: it waits for its KV on the destination
+        stop(b)
+        if b.reqs:
+            r = next(iter(b.reqs.values()))
+            assert r.state is RequestState.WAITING_FOR_KV
+            aborted["final"] = r
+            cluster.abort(r)
+
+    drain._stop = stop_then_abort
+
+    def flip():
+        res = drain.residents(d0)
+        cluster.set_role(d0, "prefill", "test")
+        drain.drain(d0)
+        aborted["precopy"] = res[-1]
+        cluster.abort(res[-1])  # still decoding on the source while its blocks copy
+
+    cluster.loop.at(1.5, flip)
+    run = cluster.run(build_requests(DECODE_HEAVY, 60, 30.0, sim.seed, 4096))
+    assert aborted["precopy"].state is RequestState.ABORTED and aborted["final"].state is RequestState.ABORTED
+    (b,) = drain.log
+    assert b.dropped == {"aborted": 2} and b.moved > 0
+    assert sum(r.state is RequestState.FINISHED for r in run.requests) == 58
+    assert all(_whole(m) for m in cluster.members)
