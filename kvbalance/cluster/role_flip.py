@@ -89,7 +89,7 @@ prefill instance for the residents that move, and the others for the pressure th
 did worse on ``phases-15``: 37.2 -> 35.5 req/s (5% search), the decode instances left fill with the moved
 answers and hand-offs wait. A what-if that knows the phase schedule (``whatif_phase_oracle.py``), with or
 without free moves, reaches 40.7 req/s, 1.17x the best static split at the same 1% resolution (34.8): the
-prefill-heavy period after a decode-heavy one asks 8-10 GPUs of a split's 8 (``docs/reproductions.md``,
+prefill-heavy period after a decode-heavy one asks 8 GPUs on average, up to 10.5, of a split's 8 (``docs/reproductions.md``,
 check (b); ``benchmarks/results/banaserve_phases/flip_bound``).
 """
 
