@@ -42,7 +42,9 @@ from kvbalance.cluster.migration_memory import (
     reserve_move,
 )
 from kvbalance.cluster.monitor import GPUUtilization
+from kvbalance.cluster.resident_drain import ResidentDrain, final_tokens
 from kvbalance.cluster.role_flip import MemberSignal, RoleFlipConfig, RoleFlipPolicy
+from kvbalance.cluster.whatif_phase_oracle import PhaseOracle, PhaseOraclePolicy
 
 if TYPE_CHECKING:
     from kvbalance.cluster.core import Cluster, Member
@@ -51,7 +53,8 @@ if TYPE_CHECKING:
 _DEFAULTS = MigrationConfig()
 _FLIP = RoleFlipConfig()
 _SECTION_ONLY = {"window_s", "control_interval_s", "helper_kv_lend_fraction", "role_flip", "moves", "flip_start_util",
-                 "flip_decode_start_util", "flip_min_gain", "flip_cooldown_s", "ttft_slo_s", "tpot_slo_s"}  # fmt: skip
+                 "flip_decode_start_util", "flip_min_gain", "flip_cooldown_s", "ttft_slo_s", "tpot_slo_s",
+                 "drain_residents", "drain_free", "flip_oracle"}  # fmt: skip
 
 
 class MigrationSection(BaseModel):
@@ -93,6 +96,16 @@ class MigrationSection(BaseModel):
     )
     flip_cooldown_s: float = Field(
         _FLIP.cooldown_s, ge=0, description="role flips: seconds between two flips"
+    )
+    # a decode instance flipped to prefill hands its running decodes (their KV) to decode instances with room
+    # (cluster/resident_drain.py); drain_free is a what-if (copies take no time), never a system's setting
+    drain_residents: bool = Field(
+        False, description="role flips: move a flipped decode instance's residents (resident_drain.py)"
+    )
+    drain_free: bool = Field(False, description="what-if: resident moves take no time (an upper bound)")
+    # what-if: flips follow the load's known phase schedule (whatif_phase_oracle.py), not its measured load
+    flip_oracle: PhaseOracle | None = Field(
+        None, description="what-if: flip by this known phase schedule (whatif_phase_oracle.py), not by load"
     )
     ttft_slo_s: float | None = Field(
         None,
@@ -154,10 +167,19 @@ class MigrationController:
         self.ttft_slo_s = section.ttft_slo_s or 1.0
         self.tpot_slo_s = section.tpot_slo_s or 0.1
         pd = any(m.role != "colocated" for m in cluster.members)
-        self.flips = (
-            RoleFlipPolicy(section.flip_config(), self.ttft_slo_s) if section.role_flip and pd else None
-        )
+        self.flips = None
+        if section.role_flip and pd:
+            self.flips = (
+                PhaseOraclePolicy(section.flip_oracle, self.ttft_slo_s)
+                if section.flip_oracle is not None
+                else RoleFlipPolicy(section.flip_config(), self.ttft_slo_s)
+            )
         self.moves = section.moves
+        self.drain = (
+            ResidentDrain(cluster, self.tpot_slo_s, free=section.drain_free)
+            if section.drain_residents and self.flips is not None
+            else None
+        )
         self._seen: set[str] = set()  # requests seen on any member (for ``_handoff_util``)
         self._handoffs: deque[tuple[float, float, float]] = deque()  # (seen at, KV-token-seconds, life s)
         self.trace: list[tuple] = []  # per tick: (t, utils, imbalance, flip signals, action, reason)
@@ -310,12 +332,42 @@ class MigrationController:
             sigs.append(MemberSignal(m.name, m.role, util, backlog[m.index],
                                      ld.num_running + ld.num_waiting + ld.num_loading,
                                      m.index not in self.engaged, credit))  # fmt: skip
+        if self.drain is not None:
+            sigs = self._drained_signals(cluster, now, sigs)
         d, signals = self.flips.decide(now, sigs, self._handoff_util(cluster, now))
         if d.action != "none":
             m = next(x for x in cluster.members if x.name == d.member)
             cluster.set_role(m, "prefill" if d.action == "to_prefill" else "decode", d.reason)
             self.flips.flipped(now)
+            if self.drain is not None and m.role == "prefill":
+                self.drain.drain(m)
+            # the what-if oracle may take several flips in one tick (role_log records each)
+            if getattr(self.flips, "more_flips", lambda _: False)(now):
+                self._flip(cluster, now, seen, backlog)
         return d, signals
+
+    def _drained_signals(self, cluster: Cluster, now: float, sigs: list[MemberSignal]) -> list[MemberSignal]:
+        """With resident drain: the decode instance a flip to prefill would take (the policy's pick) counts for
+        the prompt throughput the residents that cannot move leave, and the others for the pressure the
+        moved ones bring them (``drain_util``: their KV at the end of their answers and their slots, over the
+        others' capacity)."""
+        pick = RoleFlipPolicy._pick(sigs, "decode")
+        if pick is None:
+            return sigs
+        m = next(x for x in cluster.members if x.name == pick.name)
+        res = self.drain.residents(m)
+        if not res:
+            return sigs
+        where = self.drain.plan(m)
+        stay = len(res) - len(where)
+        moved = [r for r in res if r.request_id in where]
+        rest = self.drain.destinations(m)
+        cap = sum(x.instance.kv_capacity_tokens for x in rest) or 1
+        slots = sum(x.instance.config.max_num_seqs for x in rest) or 1
+        kv = sum((r.num_computed_tokens + final_tokens(r)) / 2 for r in moved)
+        drain_util = max(kv / cap, len(moved) / slots)
+        credit = pick.prefill_credit if stay else 1.0
+        return [replace(s, prefill_credit=credit, drain_util=drain_util) if s is pick else s for s in sigs]
 
     def _backlog_s(self, m: Member) -> float:
         """Seconds of prefill compute queued on ``m``: prompt tokens not yet computed (waiting requests and
@@ -453,6 +505,8 @@ class MigrationController:
         """Charge the helper GPU its share of ``m``'s step (monitor track and busy time)."""
         from kvbalance.cluster.core import gpu_name
 
+        if self.drain is not None:
+            self.drain.on_step(m)
         helper = self.helper_of.get(m.index)
         if not self.moves:
             return

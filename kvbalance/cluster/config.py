@@ -251,6 +251,11 @@ def run_cluster(
             "pd_transfers": len(cluster.pd.handoffs) if cluster.pd else 0,
             "migrations": len(run.migrations) + live["request_migrations"],  # moves of either kind
             "migration_log": run.migrations,
+            **(
+                cluster.migration.drain.summary()
+                if cluster.migration is not None and cluster.migration.drain is not None
+                else {}
+            ),  # fmt: skip
             "num_steps": sum(i.num_steps for i in insts),
             **live,
         },

@@ -322,7 +322,8 @@ class Cluster:
             self.loop.run()
         finally:
             self._running = False
-        for conn in (self.pd, self.store, self.llumnix):
+        drain = self.migration.drain if self.migration is not None else None
+        for conn in (self.pd, self.store, self.llumnix, drain):
             if conn is not None:
                 conn.check_drained()
         first = min((r.arrival_s for r in reqs), default=0.0)

@@ -82,6 +82,15 @@ credit, the hand-off charge and the wait for decode pressure lift SLO attainment
 0.979: that period's TPOT misses 261 -> 1) but lower it near the max rate (36 req/s 0.931 -> 0.900, 38
 0.909 -> 0.893): flipping the residents' instances back early costs TPOT for less time than waiting costs
 TTFT (at 38 req/s 303 TTFT and 314 TPOT misses before, 485 and 48 after).
+
+Moving the residents instead (``resident_drain.py``, ``MigrationSection.drain_residents``: a flipped instance's
+running decodes go, KV and all, to decode instances with room; with it the picked instance counts as a whole
+prefill instance for the residents that move, and the others for the pressure they bring, ``drain_util``)
+did worse on ``phases-15``: 37.2 -> 35.5 req/s (5% search), the decode instances left fill with the moved
+answers and hand-offs wait. A what-if that knows the phase schedule (``whatif_phase_oracle.py``), with or
+without free moves, reaches 40.7 req/s, 1.17x the best static split at the same 1% resolution (34.8): the
+prefill-heavy period after a decode-heavy one asks 8 GPUs on average, up to 10.5, of a split's 8 (``docs/reproductions.md``,
+check (b); ``benchmarks/results/banaserve_phases/flip_bound``).
 """
 
 from __future__ import annotations
@@ -124,6 +133,9 @@ class MemberSignal:
     # a decode instance: the share of a prefill instance's prompt throughput it gives once flipped, its
     # residents decoding on in every step (1: none left); a prefill instance: 1
     prefill_credit: float = 1.0
+    # a decode instance whose residents would move once flipped (cluster/resident_drain.py): the decode
+    # pressure they bring the other decode instances (their mean); 0 without resident drain
+    drain_util: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -192,7 +204,7 @@ class RoleFlipPolicy:
             pick = self._pick(members, "decode")
             rest = [m.util for m in members if m.role == "decode" and m is not pick]
             if pick is not None:
-                d_after = sum(rest) / len(rest) + sig.handoff_util / (n_d - 1)
+                d_after = sum(rest) / len(rest) + pick.drain_util + sig.handoff_util / (n_d - 1)
                 if d_after < 1.0:  # they keep room for new hand-offs
                     p_after = up * n_p / (n_p + pick.prefill_credit)
                     options.append((max(p_after, d_after), "to_prefill", "decode"))
