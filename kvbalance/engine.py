@@ -167,6 +167,7 @@ class Instance:
     def load(self) -> InstanceLoad:
         """A typed snapshot of what this instance holds and still has to do (O(requests))."""
         sched = self.scheduler
+        sched.settle()  # the decode cohort's requests written up to now
         prefill = decode = remaining = 0
         for r in sched.running:
             prompt_left = r.num_prompt_tokens - r.num_computed_tokens
@@ -199,6 +200,18 @@ class Instance:
             external_hit_tokens=sched.external_hit_tokens,
             prefix_token_mismatches=self.cache.num_token_mismatches if self.cache is not None else 0,
         )
+
+    def enable_decode_cohort(self) -> bool:
+        """Run this instance's plain decodes as a cohort (``scheduler/cohort.py``: a step costs O(prefill
+        sequences + block events), the result bit for bit the step-by-step one) if the executor takes cohort
+        plans (``supports_decode_runs``) and there is no elastic reserve; returns whether it is on. For a
+        caller where nothing reads running requests between steps but through this instance (``load``,
+        ``abort``, ``finish_request``, ``check_invariants`` bring them up to date)."""
+        ex = self.executor
+        if self.elastic is not None or not getattr(ex, "supports_decode_runs", False):
+            return False
+        self.scheduler.enable_cohort(ex.decode_tokens)
+        return True
 
     # -- stepping -----------------------------------------------------------------
     def step(self, now: float) -> StepOutcome | None:

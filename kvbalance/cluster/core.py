@@ -23,7 +23,7 @@ from kvbalance.cluster.monitor import UtilizationMonitor
 from kvbalance.cluster.routers import Router, build_router
 from kvbalance.cluster.topology import Topology
 from kvbalance.engine import InstanceLoad, StepOutcome
-from kvbalance.executor.sim import decode_runs_enabled
+from kvbalance.executor.sim import decode_runs_enabled, fast_paths_enabled
 from kvbalance.kvcache.store import GlobalKVStore
 from kvbalance.request import Request, RequestState
 from kvbalance.sim.loop import EventLoop, InstanceDriver
@@ -137,12 +137,16 @@ class Cluster:
         self._arrivals: list[float] = []  # pending arrival times (a heap): the members' horizon
         outside = (self.pd, self.store, self.monitor, self.llumnix)
         runs = decode_runs_enabled() and not check_invariants and all(x is None for x in outside)
+        # the decode cohort (scheduler/cohort.py, exact) where nothing else reads a member's running requests
+        cohort = fast_paths_enabled() and not runs and not check_invariants and all(x is None for x in outside)
         self._running = False
         for m in self.members:
             m.driver = InstanceDriver(
                 self.loop, m.instance, on_step=self._step_hook(m), on_finish=self._finish_hook(m),
                 horizon=self._next_arrival_s if runs else None,
             )  # fmt: skip
+            if cohort:
+                m.instance.enable_decode_cohort()
 
     def _next_arrival_s(self) -> float:
         return self._arrivals[0] if self._arrivals else math.inf

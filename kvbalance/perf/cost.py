@@ -137,6 +137,9 @@ def plan_shape(plan: BatchPlan) -> tuple:
             if ctx < n:
                 raise ValueError(f"context_len: {ctx} is smaller than num_new_tokens {n}")
             chunks.append((n, ctx))
+    c = plan.cohort_seqs  # decodes counted, not listed (BatchPlan): the same sums as if they were
+    if c:
+        return len(plan.seqs) + c, tokens + c, sampled + c, dec_seqs + c, dec_ctx + plan.cohort_context, tuple(chunks)
     return len(plan.seqs), tokens, sampled, dec_seqs, dec_ctx, tuple(chunks)
 
 
@@ -661,13 +664,20 @@ class CostModel:
 
     @staticmethod
     def plan_seqs(plan: BatchPlan) -> list[SeqWork]:
-        return [(s.num_new_tokens, s.context_len, s.sample) for s in plan.seqs]
+        """The plan's sequences; a decode cohort (``plan.cohort_seqs``) as that many decodes with its context
+        sum (a step depends on its decodes through their count and context sum only)."""
+        seqs = [(s.num_new_tokens, s.context_len, s.sample) for s in plan.seqs]
+        c = plan.cohort_seqs
+        if c:
+            seqs += [(1, plan.cohort_context - (c - 1), True)] + [(1, 1, True)] * (c - 1)
+        return seqs
 
     def predict(self, plan: BatchPlan) -> StepBreakdown:
         """Breakdown of the compute in ``plan`` (KV transfers are the executor's business)."""
         if self._step_memo is None:
             return self._step_plain(self.plan_seqs(plan))
-        return self.step_tallied(len(plan.seqs), plan_tally(plan))
+        shape = plan_shape(plan)
+        return self.step_tallied(shape[0], shape_tally(shape))
 
     def step_time(self, plan: BatchPlan) -> float:
         return breakdown_total_s(self.predict(plan))

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvbalance.engine import Instance, StepOutcome
-from kvbalance.executor.sim import decode_runs_enabled
+from kvbalance.executor.sim import decode_runs_enabled, fast_paths_enabled
 from kvbalance.request import Request, RequestState
 
 
@@ -131,14 +131,21 @@ def simulate_instance(
     on_finish: Callable[[Request], None] | None = None,
     check_invariants: bool = False,
     decode_runs: bool | None = None,
+    decode_cohort: bool | None = None,
 ) -> SimRun:
     """Replay ``requests`` (with their ``arrival_s``) against one instance until all are done.
 
     ``decode_runs`` (default: ``KVBALANCE_SIM_DECODE_RUNS=1``, see ``executor.sim.decode_runs_enabled``; off
     with ``check_invariants``, which checks after every step): decode-only steps between arrivals in one event
-    per run, exactly."""
+    per run, exactly. ``decode_cohort`` (default: the fast paths on, ``KVBALANCE_SIM_FAST``, without decode runs
+    or ``check_invariants``): plain decodes as a cohort (``Instance.enable_decode_cohort``), exactly; ``on_step``
+    hooks then read the instance's counts, not its running requests' token lists."""
     if decode_runs is None:
         decode_runs = decode_runs_enabled()
+    if decode_cohort is None:
+        decode_cohort = fast_paths_enabled() and not decode_runs and not check_invariants
+    if decode_cohort:
+        instance.enable_decode_cohort()
     loop = EventLoop()
     reqs = list(requests)
     step_times: list[float] = []
