@@ -329,6 +329,43 @@ class Instance:
             self._catch_up(r, c0[i], done, i, len(ends), ends)
         return t
 
+    def cohort_run(
+        self,
+        now: float,
+        horizon_s: float,
+        on_step: Callable[[StepOutcome, float], None],
+        on_finish: Callable[[Request], None],
+    ) -> float:
+        """Run the steps from ``now`` that are the decode cohort's alone (``Scheduler.cohort_run_ready``), each
+        exactly as :meth:`step` then :meth:`complete` would (same blocks, tokens, times, counters), without a
+        plan: per step, the cost model's time from the cohort's two sums (``decode_step_fn``) and the members'
+        block events. Stops before a step that would end at or after ``horizon_s`` (the caller's next event
+        that can read or change this instance), one whose new blocks might need a preemption, and when the next
+        step is no longer the cohort's alone. ``on_step(outcome, end_s)`` gets each step (``outcome.plan`` is a
+        ``DecodeRunStep``), then ``on_finish`` each request it finished. Returns the time reached."""
+        if self.elastic is not None or self.failed:
+            return now
+        sched, ex = self.scheduler, self.executor
+        t = now
+        fn, fn_n = None, -1
+        while sched.cohort_run_ready():
+            n, ctx = sched.cohort_context()
+            if n != fn_n:
+                fn, fn_n = ex.decode_step_fn(n), n
+            d = fn(ctx)
+            end = t + d
+            if not end < horizon_s or not sched.cohort_grow():
+                break
+            ex.note_step(d)
+            self.num_steps += 1
+            self.busy_s += d
+            finished = sched.cohort_advance(end)
+            on_step(StepOutcome(DecodeRunStep(n, n), StepResult(d), t), end)
+            for req in finished:
+                on_finish(req)
+            t = end
+        return t
+
     def _catch_up(self, req: Request, c0: int, done: list[int], i: int, j: int, ends: list[float]) -> None:
         """Write steps done[i]+1 .. j of a decode run into ``req`` (computed tokens, tokens, token times)."""
         k = done[i]

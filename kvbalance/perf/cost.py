@@ -16,7 +16,7 @@ did not hide; :meth:`CostModel.host_time` says which part was hidden).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import reduce
 from operator import add
@@ -233,6 +233,7 @@ class CostModel:
         self._step_memo: dict[int, tuple] | None = {}
         self._gaps_s = self.gpu.per_layer_overhead_s * self.model.num_layers  # the per-layer launch gaps
         self._lm_memo: dict[int, tuple] = {}
+        self._decode_fns: dict[int, Callable[[int], float]] = {}  # decode_step_fn's, per sequence count
         self._attn_memo: dict[
             tuple, tuple
         ] = {}  # (attention op, its tokens, the step's if equal) -> _attn_terms
@@ -389,6 +390,78 @@ class CostModel:
                 [(1, context_sum - (num_seqs - 1), True)] + [(1, 1, True)] * (num_seqs - 1)
             )
         return self.step_tallied(num_seqs, (num_seqs, num_seqs, 0, 0, 0.0, num_seqs, context_sum))
+
+    def decode_step_fn(self, num_seqs: int) -> Callable[[int], float]:
+        """``c -> breakdown_total_s(self.decode_step(num_seqs, c))`` for a context sum ``c``: :meth:`step_tallied`'s
+        arithmetic for a decode-only step with everything that does not depend on ``c`` done once (memoised per
+        ``num_seqs``; the same float operations in the same order, so the same value to the last bit), for the
+        simulator's decode cohort (``Instance.cohort_run``), which asks it once per step."""
+        fn = self._decode_fns.get(num_seqs)
+        if fn is not None:
+            return fn
+        n = num_seqs
+        if self._step_memo is None or n < 1:
+
+            def fn(ctx: int) -> float:
+                return breakdown_total_s(self.decode_step(n, ctx))
+
+        else:
+            terms = self._step_memo.get(n)
+            if terms is None:
+                terms = self._terms_of(n)
+            c_pre, m_pre, o_pre, _f, _b, o_pre_seq, post, kernels, comm_s, at = terms
+            post_c, post_m, post_o, _pf, _pb = post
+            hw, eng = self.gpu, self.engine
+            work = eng.host_work_s(hw, n, n, self.tp)
+            overhead_s = o_pre if eng.overlap else reduce(add, o_pre_seq, work + self._gaps_s)
+            m, dt = self.model, self._dt
+            hd, heads_r, kvl, q_r = m.head_dim, self._heads_r, self._kv_token_layer_bytes, self._q_r
+            flops_per_ctx = 4.0 * hd * heads_r
+            q_bytes = 2.0 * n * q_r * dt
+            mem_half = hw.memory_half_bytes
+            r, c_num, c_den, m_den, o = self._attn_terms("attn_decode", n, at, float(n))
+            overhead_s += o
+            kernels += m.num_layers
+            overhead_s = reduce(add, post_o, overhead_s)
+            lm = self._lm_memo.get(n)
+            if lm is None:
+                lm = self._lm_terms(n)
+            lm_c, lm_v, o, _f, _b, k = lm
+            overhead_s += o
+            kernels += k
+            launch = eng.launch_s(n, n, kernels)
+            overlap, sync_s = eng.overlap, eng.sync_s
+
+            def fn(ctx: int) -> float:
+                a_flops = flops_per_ctx * ctx
+                a_bytes = ctx * kvl + q_bytes
+                c = a_flops * c_num / c_den if a_flops > 0 else 0.0
+                mem = (a_bytes + mem_half) / m_den if a_bytes > 0 else 0.0
+                if c > mem:
+                    compute_s = c_pre + c * r
+                    memory_s = m_pre
+                else:
+                    compute_s = c_pre
+                    memory_s = m_pre + mem * r
+                compute_s = reduce(add, post_c, compute_s)
+                memory_s = reduce(add, post_m, memory_s)
+                if lm_c:
+                    compute_s += lm_v
+                else:
+                    memory_s += lm_v
+                if overlap:
+                    gpu_s = compute_s + memory_s + overhead_s + comm_s
+                    busy = gpu_s if gpu_s >= launch else launch
+                    over = overhead_s + ((busy if busy >= work else work) - gpu_s + sync_s)
+                else:
+                    gpu_s = compute_s + memory_s + (overhead_s - work) + comm_s
+                    over = overhead_s + ((launch - gpu_s if launch > gpu_s else 0.0) + sync_s)
+                return compute_s + memory_s + over + comm_s + 0.0
+
+        if len(self._decode_fns) >= STEP_MEMO_MAX:
+            self._decode_fns.clear()
+        self._decode_fns[n] = fn
+        return fn
 
     def step_tallied(self, num_seqs: int, sums: tuple[int, int, int, int, float, int, int]) -> StepBreakdown:
         """:meth:`step` of ``num_seqs`` sequences whose :func:`tally` is ``sums`` (the memoised path)."""

@@ -74,8 +74,9 @@ class CohortScheduling:
         self._step_decodes = 0  # decodes outside the cohort at the front of the last plan's seqs
 
     @property
-    def cohort_size(self) -> int:
-        return len(self._cohort) if self._cohort else 0
+    def cohort_size(self) -> int | None:
+        """Members of the decode cohort (None: the cohort is off)."""
+        return None if self._cohort is None else len(self._cohort)
 
     # -- members ---------------------------------------------------------------------------------
     def _catch_up(self, m: _Member, j: int) -> None:
@@ -156,6 +157,81 @@ class CohortScheduling:
             self._catch_up(m, g)
         cohort.clear()
         self._reset_clock()
+
+    # -- runs of cohort-only steps (Instance.cohort_run) ------------------------------------------------
+    def cohort_run_ready(self) -> bool:
+        """Whether the next step is the cohort's alone, as :meth:`schedule` would plan it: nothing waits, loads
+        or is held, every running request is a member, the policy runs the running requests first (sarathi,
+        vllm) and they fit its token budget, and the connector has nothing to do per step."""
+        cohort = self._cohort
+        if not cohort or self.waiting or self.loading or self._held:
+            return False
+        if not (self._null_connector or getattr(self.connector, "passive", False)):
+            return False
+        if self._others is None:
+            self._others = [r for r in self.running if r.request_id not in cohort]
+        if self._others:
+            return False
+        name = self.policy.name
+        return name == "vllm" or (name == "sarathi" and len(cohort) <= self.config.max_num_batched_tokens)
+
+    def cohort_context(self) -> tuple[int, int]:
+        """(members, their contexts' sum after the next step): the shape of a cohort-only step."""
+        n = len(self._cohort)
+        return n, self._cbase + n * (self._g + 1)
+
+    def cohort_grow(self) -> bool:
+        """The next cohort step's new blocks, allocated in running order as its plan would; False (nothing
+        changed) if they might not all fit without a preemption."""
+        g = self._g
+        bs = self.block_size
+        grow = [m for m in self._buckets.get(g % bs, ()) if m.c0 + g - m.g0 >= len(m.req.block_ids) * bs]
+        if not grow:
+            return True
+        kv = self.kv
+        if len(grow) > kv.num_available_blocks:
+            return False
+        for m in grow:
+            if not kv.allocate_slots(m.req, m.c0 + g - m.g0 + 1):
+                raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
+        return True
+
+    def cohort_advance(self, now: float) -> list[Request]:
+        """Apply a cohort-only step that ended at ``now`` (:meth:`update` of its plan); return who finished."""
+        finished: list[Request] = []
+        events, fins = self._advance(now)
+        for m in events:
+            self._member_event(m, fins, now, finished)
+        if finished:
+            running = RequestState.RUNNING
+            self.running = [r for r in self.running if r.state is running]
+        return finished
+
+    def _advance(self, now: float) -> tuple[list[_Member], list[_Member] | None]:
+        """One cohort step done at ``now``: the members with an event, in running order, and those finishing."""
+        g = self._g
+        self._ends.append(now)
+        self._g = g + 1
+        fills = self._buckets.get((g + 1) % self.block_size) if self.cache is not None else None
+        fins = self._fin.pop(g, None)
+        if fills and fins:
+            return sorted({id(m): m for m in (*fills, *fins)}.values()), fins
+        return list(fills or fins or ()), fins
+
+    def _member_event(self, m: _Member, fins: list[_Member] | None, now: float, finished: list[Request]) -> None:
+        """A member's block fill (published) and or last token (finished), as the step-by-step update does."""
+        req = m.req
+        self._catch_up(m, self._g)
+        if self.cache is not None and req.num_computed_tokens % self.block_size == 0:
+            self.kv.cache_full_blocks(req)
+        if fins is not None and m in fins:
+            self._drop(m)
+            self._pos.pop(m.rid, None)
+            self._release(req, finished=True)
+            req.state = RequestState.FINISHED
+            req.finish_reason = "length"
+            req.finish_s = now
+            finished.append(req)
 
     # -- a step ----------------------------------------------------------------------------------
     def _cohort_schedule_running(self, plan: BatchPlan, budget: int) -> int:
@@ -254,15 +330,7 @@ class CohortScheduling:
         events: list[_Member] = []
         fins: list[_Member] | None = None
         if plan.cohort_seqs and cohort:
-            g = self._g
-            self._ends.append(now)
-            self._g = g + 1
-            fills = self._buckets.get((g + 1) % bs) if caching else None
-            fins = self._fin.pop(g, None)
-            if fills and fins:
-                events = sorted({id(m): m for m in (*fills, *fins)}.values())
-            else:
-                events = list(fills or fins or ())
+            events, fins = self._advance(now)
         seqs = plan.seqs
         k = self._step_decodes if plan.cohort_seqs else 0
         if events and k:  # other decodes among the members' events: running order
@@ -279,18 +347,7 @@ class CohortScheduling:
         others_changed = False
         for s in items:
             if isinstance(s, _Member):
-                req = s.req
-                self._catch_up(s, self._g)
-                if caching and req.num_computed_tokens % bs == 0:
-                    kv.cache_full_blocks(req)
-                if fins is not None and s in fins:
-                    self._drop(s)
-                    self._pos.pop(s.rid, None)
-                    self._release(req, finished=True)
-                    req.state = RequestState.FINISHED
-                    req.finish_reason = "length"
-                    req.finish_s = now
-                    finished.append(req)
+                self._member_event(s, fins, now, finished)
                 continue
             req = s.request
             if req.state is not running:

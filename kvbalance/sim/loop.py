@@ -122,7 +122,22 @@ class InstanceDriver:
         t = self.loop.now
         horizon = self.ahead()
         on_step, on_finish = self.on_step, self.on_finish
+
+        def run_step(outcome: StepOutcome, end_s: float) -> None:
+            if on_step:
+                on_step(self, outcome, end_s)
+
+        def run_finish(req: Request) -> None:
+            if on_finish:
+                on_finish(req)
+
+        cohort = inst.scheduler.cohort_size is not None
         while True:
+            if cohort:
+                t_run = inst.cohort_run(t, horizon, run_step, run_finish)
+                if t_run != t:
+                    self.busy = True
+                    self.run_end_s = t = t_run
             outcome = inst.step(t)
             if outcome is None:
                 self.busy = False
