@@ -31,8 +31,11 @@ from kvbalance.request import Request
 
 def _token_bytes(req: Request, start: int, end: int) -> bytes:
     """``token_bytes`` of the request's tokens ``[start, end)`` (prompt tokens straight from the prompt)."""
-    if end <= req.num_prompt_tokens:
+    n = req._num_prompt
+    if end <= n:
         return token_bytes(req.prompt_token_ids[start:end])
+    if start >= n:  # output tokens only (a decode's block)
+        return token_bytes(req.output_token_ids[start - n : end - n])
     return token_bytes(req.token_ids(start, end))
 
 
