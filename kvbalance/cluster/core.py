@@ -157,16 +157,21 @@ class Cluster:
         return self._arrivals[0] if self._arrivals else math.inf
 
     def _own_arrival_s(self, m: Member) -> Callable[[], float]:
-        """The time of the next arrival routed to ``m`` (the next arrival's where the router cannot say)."""
+        """The time of the next arrival routed to ``m`` (the next arrival's where the router cannot say), or of
+        the next loud event on the loop (``EventLoop.at``: a test's abort, a controller) if that comes first."""
         times = self._arrival_times
+        loop = self.loop
 
         def horizon() -> float:
             fronts = self.frontends
             k = self.router.arrivals_elsewhere(fronts.index(m), len(fronts)) if m in fronts else None
             if k is None:
-                return self._next_arrival_s()
-            j = self._arrived + k
-            return times[j] if j < len(times) else math.inf
+                own = self._next_arrival_s()
+            else:
+                j = self._arrived + k
+                own = times[j] if j < len(times) else math.inf
+            loud = loop.next_loud_time()
+            return own if own < loud else loud
 
         return horizon
 
@@ -332,7 +337,7 @@ class Cluster:
         if req.arrival_s < ahead:  # a decode run or a run ahead (``InstanceDriver.ahead``) passed it
             raise ValueError(f"arrival_s: {req.request_id} at {req.arrival_s} falls inside a decode run already "
                              f"simulated (to {ahead}); submit arrivals before run(), or unset KVBALANCE_SIM_DECODE_RUNS")  # fmt: skip
-        self.loop.at(req.arrival_s, self._arrive, req)
+        self.loop.at_quiet(req.arrival_s, self._arrive, req)  # the members' horizons account for arrivals
         heapq.heappush(self._arrivals, req.arrival_s)
         bisect.insort(self._arrival_times, req.arrival_s)
 

@@ -18,14 +18,28 @@ from kvbalance.request import Request, RequestState
 
 
 class EventLoop:
-    """A heap of (time, order, callback, args)."""
+    """A heap of (time, order, callback, args).
+
+    Events scheduled with :meth:`at_quiet` promise to read or change only what their scheduler tracks itself
+    (an instance driver's own steps, a cluster's arrivals); every other event (:meth:`at`) is "loud": it may
+    touch any instance, and :meth:`next_loud_time` says when the next one comes (an instance running ahead of
+    the clock stops before it)."""
 
     def __init__(self) -> None:
         self.now = 0.0
         self._heap: list = []
         self._order = itertools.count()
+        self._loud: list[tuple[float, int]] = []  # (time, order) of pending loud events
 
     def at(self, time_s: float, fn: Callable, *args) -> None:
+        if time_s < self.now:
+            raise ValueError(f"time_s: event at {time_s} is in the past (now {self.now})")
+        order = next(self._order)
+        heapq.heappush(self._heap, (time_s, order, fn, args))
+        heapq.heappush(self._loud, (time_s, order))
+
+    def at_quiet(self, time_s: float, fn: Callable, *args) -> None:
+        """:meth:`at` for an event that touches only what its scheduler accounts for itself."""
         if time_s < self.now:
             raise ValueError(f"time_s: event at {time_s} is in the past (now {self.now})")
         heapq.heappush(self._heap, (time_s, next(self._order), fn, args))
@@ -34,13 +48,20 @@ class EventLoop:
         """Time of the earliest pending event (inf: none)."""
         return self._heap[0][0] if self._heap else math.inf
 
+    def next_loud_time(self) -> float:
+        """Time of the earliest pending loud event (inf: none)."""
+        return self._loud[0][0] if self._loud else math.inf
+
     def run(self, until: float | None = None) -> None:
         heap = self._heap
+        loud = self._loud
         while heap:
             if until is not None and heap[0][0] > until:
                 self.now = until
                 return
-            t, _, fn, args = heapq.heappop(heap)
+            t, order, fn, args = heapq.heappop(heap)
+            if loud and loud[0][1] == order:
+                heapq.heappop(loud)
             self.now = t
             fn(*args)
 
@@ -108,14 +129,14 @@ class InstanceDriver:
             if end is not None:
                 self.busy = True
                 self.run_end_s = end
-                self.loop.at(end, self.kick)
+                self.loop.at_quiet(end, self.kick)
                 return
         outcome = self.instance.step(self.loop.now)
         if outcome is None:
             self.busy = False
             return
         self.busy = True
-        self.loop.at(self.loop.now + outcome.result.duration_s, self._done, outcome)
+        self.loop.at_quiet(self.loop.now + outcome.result.duration_s, self._done, outcome)
 
     def _kick_ahead(self) -> None:
         inst = self.instance
@@ -145,7 +166,7 @@ class InstanceDriver:
             end = t + outcome.result.duration_s
             if not end < horizon:  # the step's end is an event of its own, after what comes before it
                 self.busy = True
-                self.loop.at(end, self._done, outcome)
+                self.loop.at_quiet(end, self._done, outcome)
                 return
             self.busy = True
             self.run_end_s = end
@@ -194,10 +215,10 @@ def simulate_instance(
         decode_runs = decode_runs_enabled()
     if decode_cohort is None:
         decode_cohort = fast_paths_enabled() and not decode_runs and not check_invariants
+    loop = EventLoop()
     ahead = None
     if decode_cohort and instance.enable_decode_cohort():
-        ahead = loop.next_time  # nothing but arrivals on this loop
-    loop = EventLoop()
+        ahead = loop.next_time  # nothing but arrivals and this driver's steps on this loop
     reqs = list(requests)
     step_times: list[float] = []
 
