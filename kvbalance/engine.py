@@ -106,6 +106,7 @@ class Instance:
         self.max_context = max_context
         self.num_steps = 0
         self.busy_s = 0.0
+        self.cohort_run_steps = 0  # of num_steps, those run by cohort_run (no plan)
         # a request must fit the pool it can always count on (lent blocks may be reclaimed)
         self.max_request_blocks = (
             num_blocks if elastic is not None and elastic.mode == "elastic" else self.pool.num_blocks
@@ -358,6 +359,7 @@ class Instance:
                 break
             ex.note_step(d)
             self.num_steps += 1
+            self.cohort_run_steps += 1
             self.busy_s += d
             finished = sched.cohort_advance(end)
             on_step(StepOutcome(DecodeRunStep(n, n), StepResult(d), t), end)

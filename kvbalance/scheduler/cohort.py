@@ -134,7 +134,8 @@ class CohortScheduling:
             self._others.append(req)
 
     def _cohort_forget(self, req: Request) -> None:
-        """``req`` leaves the running list by preemption: its lists written to now, out of the cohort."""
+        """``req`` leaves the running list (preempted, finished or taken from outside): its lists written to
+        now, out of the cohort."""
         m = self._cohort.get(req.request_id)
         if m is not None:
             self._catch_up(m, self._g)
@@ -144,19 +145,24 @@ class CohortScheduling:
         self._pos.pop(req.request_id, None)
 
     def settle(self) -> None:
-        """Write every member's tokens, token times and computed tokens, and empty the cohort (members rejoin
-        at their next sample): the requests are then exactly what the step-by-step path has."""
+        """Write every member's tokens, token times and computed tokens up to now (a step in flight is still
+        to come, as on the step-by-step path): the requests are then exactly what that path has. The cohort
+        stays; a caller that takes a request out of the running list calls :meth:`_cohort_forget` for it."""
         cohort = self._cohort
         if cohort is None:
             return
         self._others = None  # the caller may change the running list
-        if not cohort:
-            return
         g = self._g
         for m in cohort.values():
-            self._catch_up(m, g)
-        cohort.clear()
-        self._reset_clock()
+            if m.done != g:
+                self._catch_up(m, g)
+
+    def _dissolve(self) -> None:
+        """:meth:`settle` and empty the cohort (members rejoin at their next sample); between steps only."""
+        self.settle()
+        if self._cohort:
+            self._cohort.clear()
+            self._reset_clock()
 
     # -- runs of cohort-only steps (Instance.cohort_run) ------------------------------------------------
     def cohort_run_ready(self) -> bool:
@@ -260,7 +266,7 @@ class CohortScheduling:
                     need += 1
             if len(cohort) + len(decodes) > budget or need > self.kv.num_available_blocks:
                 # a decode might go without budget or blocks (a preemption): everyone step by step
-                self.settle()
+                self._dissolve()
                 return self._cohort_schedule_running(plan, budget)
         seqs = plan.seqs
         first = len(seqs)  # the sequences this call schedules are seqs[first:]

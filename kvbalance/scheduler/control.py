@@ -28,6 +28,8 @@ class RequestControl:
         if req.state is not RequestState.RUNNING:
             raise ValueError(f"req: {req.request_id} is {req.state.value}, not running")
         self.settle()
+        if self._cohort is not None:
+            self._cohort_forget(req)
         self.running.remove(req)
         self.kv.forget(req)
         self._hold(req, for_load=False)
@@ -66,6 +68,8 @@ class RequestControl:
             return
         self.settle()
         if req.state is RequestState.RUNNING:
+            if self._cohort is not None:
+                self._cohort_forget(req)
             self._release(req, finished=True)
             self.running.remove(req)
         elif req.state is RequestState.WAITING_FOR_KV:

@@ -118,7 +118,8 @@ class Scheduler(RequestControl, CohortScheduling):
         each running request decodes one token (a policy of ``DECODE_RUN_POLICIES`` with the batch inside its
         token budget), nothing can be admitted (no request waits, or the batch is at ``max_num_seqs``), no KV
         is in flight, and only the length rule can stop a request (``Instance.decode_run`` relies on this)."""
-        self.settle()
+        if self._cohort is not None:
+            self._dissolve()  # Instance.decode_run writes the requests itself
         running = self.running
         if not running or self.loading or self._held or self.policy.name not in DECODE_RUN_POLICIES:
             return False
