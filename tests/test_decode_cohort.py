@@ -41,7 +41,11 @@ def _kv_state(inst) -> list:
     """The block pool's free list (its order decides later block ids) and the prefix cache's nodes with their
     last-access ticks (the LRU order of eviction)."""
     cache = inst.cache
-    nodes = [] if cache is None else [(n.last_access, n.lock_ref, n.block_ids, n.hashes) for n in cache.iter_nodes()]
+    nodes = (
+        []
+        if cache is None
+        else [(n.last_access, n.lock_ref, n.block_ids, n.hashes) for n in cache.iter_nodes()]
+    )
     return [inst.pool._free, nodes, cache.num_evicted if cache is not None else 0]
 
 
@@ -99,7 +103,7 @@ def _cluster_runs() -> list[str]:
         cluster = build_cluster(sim, ccfg)
         reqs = build_requests("sharegpt", 300, 40.0, 0, 4096)
         cluster.loop.at(3.0, cluster.abort, reqs[40])  # a client abort, mid-run
-        cluster.loop.at(4.5, lambda: _preempt_if_running(cluster, reqs[70]))
+        cluster.loop.at(4.5, _preempt_if_running, cluster, reqs[70])  # a preemption from outside
         run = cluster.run(reqs)
         out += [_rows(reqs), json.dumps([(m.step_starts_s, m.step_durations_s, m.instance.num_steps,
                                           m.instance.load().num_preemptions, _kv_state(m.instance))

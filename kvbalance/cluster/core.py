@@ -139,7 +139,9 @@ class Cluster:
         outside = (self.pd, self.store, self.monitor, self.llumnix)
         runs = decode_runs_enabled() and not check_invariants and all(x is None for x in outside)
         # the decode cohort (scheduler/cohort.py, exact) where nothing else reads a member's running requests
-        cohort = fast_paths_enabled() and not runs and not check_invariants and all(x is None for x in outside)
+        cohort = (
+            fast_paths_enabled() and not runs and not check_invariants and all(x is None for x in outside)
+        )
         self._running = False
         self._arrival_times: list[float] = []  # pending and past arrival times, sorted
         self._arrived = 0  # arrivals routed so far

@@ -139,7 +139,14 @@ def plan_shape(plan: BatchPlan) -> tuple:
             chunks.append((n, ctx))
     c = plan.cohort_seqs  # decodes counted, not listed (BatchPlan): the same sums as if they were
     if c:
-        return len(plan.seqs) + c, tokens + c, sampled + c, dec_seqs + c, dec_ctx + plan.cohort_context, tuple(chunks)
+        return (
+            len(plan.seqs) + c,
+            tokens + c,
+            sampled + c,
+            dec_seqs + c,
+            dec_ctx + plan.cohort_context,
+            tuple(chunks),
+        )
     return len(plan.seqs), tokens, sampled, dec_seqs, dec_ctx, tuple(chunks)
 
 

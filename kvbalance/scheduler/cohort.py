@@ -224,7 +224,9 @@ class CohortScheduling:
             return sorted({id(m): m for m in (*fills, *fins)}.values()), fins
         return list(fills or fins or ()), fins
 
-    def _member_event(self, m: _Member, fins: list[_Member] | None, now: float, finished: list[Request]) -> None:
+    def _member_event(
+        self, m: _Member, fins: list[_Member] | None, now: float, finished: list[Request]
+    ) -> None:
         """A member's block fill (published) and or last token (finished), as the step-by-step update does."""
         req = m.req
         self._catch_up(m, self._g)
