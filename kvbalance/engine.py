@@ -212,6 +212,7 @@ class Instance:
         if self.elastic is not None or not getattr(ex, "supports_decode_runs", False):
             return False
         self.scheduler.enable_cohort(ex.decode_tokens)
+        self.kv.enable_lazy_hashes()
         return True
 
     # -- stepping -----------------------------------------------------------------

@@ -41,6 +41,11 @@ def _kv_state(inst) -> list:
     """The block pool's free list (its order decides later block ids) and the prefix cache's nodes with their
     last-access ticks (the LRU order of eviction)."""
     cache = inst.cache
+    if (
+        cache is not None and cache.hasher is not None
+    ):  # lazy hashes: computed now, they must be the eager ones
+        for n in cache.iter_nodes():
+            cache.materialize(n)
     nodes = (
         []
         if cache is None

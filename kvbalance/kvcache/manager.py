@@ -62,6 +62,19 @@ class KVCacheManager:
         # request id -> (deepest locked cache node, blocks of the request covered by that path)
         self._paths: dict[str, tuple[RadixNode, int]] = {}
         self._hashes: dict[str, list[int]] = {}  # request id -> its chained block hashes so far
+        self._lazy = False  # enable_lazy_hashes
+
+    def enable_lazy_hashes(self) -> bool:
+        """Hash blocks only where a lookup needs them (a simulator fast path; exact: the same hits, the same
+        cache, a lazy node's hashes computed on demand are the values an eager insert stores). A request's
+        first block is hashed at admission; a miss there, and blocks published onto a leaf only its request
+        uses, hash nothing more. For the cryptographic hashes (a poly64 hash depends on the block's index,
+        which a node does not know). Returns whether it is on."""
+        if self.cache is None or not self.hasher.cryptographic:
+            return False
+        self._lazy = True
+        self.cache.hasher = self.hasher
+        return True
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -98,6 +111,11 @@ class KVCacheManager:
         """The longest cached prefix of ``req`` (never its last token: that one is computed to sample)."""
         if self.cache is None:
             return NO_HIT
+        if self._lazy:  # the first block decides a miss: hash the rest only for a lookup that goes on
+            first = self.block_hashes(req, min(req.num_tokens - 1, self.block_size))
+            if not first or first[0] not in self.cache.root.children:
+                self.cache.match_prefix(first)  # the same miss as with every hash (it counts a tick)
+                return NO_HIT
         node, hit = self.cache.match_prefix(self.block_hashes(req, req.num_tokens - 1))
         if hit:  # the cached tokens must be the request's: a hash match alone is not enough
             node, hit = self.cache.verify_tokens(node, hit, _token_bytes(req, 0, hit * self.block_size))
@@ -175,6 +193,21 @@ class KVCacheManager:
         if hashes is None:
             hashes = self._hashes[rid] = []
         k = len(hashes)
+        if self._lazy and k < full:
+            lazy = False
+            if have == 0:  # a new child of the root: its key, the first block's hash, decides
+                if k == 0:
+                    hashes.extend(self.hasher.token_bytes_hashes(tokens[: 8 * bs], bs, 0, 0))
+                lazy = hashes[0] not in node.children
+            elif not node.children and node.lock_ref == 1 and node.tokens is not None:
+                lazy = True  # a leaf only this request uses grows in place: no lookup, no key
+            if lazy:
+                node, _ = cache.extend(node, have, hashes, req.block_ids, tokens, end=full)
+                self._paths[rid] = (node, full)
+                return
+            if k < have:  # the hashes the lookups below need, from the request's tokens
+                self.hasher.request_block_hashes(req, bs, have * bs, hashes)
+                k = len(hashes)
         if k < full:  # hash the blocks not hashed yet from the same bytes (blocks have..k are hashed)
             if k < have:
                 raise RuntimeError(f"{req}: its cached path covers blocks it has no hashes for")
@@ -243,6 +276,9 @@ class KVCacheManager:
             path = self._paths.get(req.request_id)
             if path is not None:
                 node, n = path
+                if self._lazy:
+                    self.hasher.request_block_hashes(req, self.block_size, n * self.block_size,
+                                                     self._hashes.setdefault(req.request_id, []))  # fmt: skip
                 path_hashes = []
                 while node is not cache.root:
                     path_hashes[:0] = node.hashes

@@ -97,6 +97,10 @@ class RadixCache:
         self.protected_blocks = 0  # cached blocks in nodes some request has locked
         self.num_evicted = 0
         self.num_token_mismatches = 0  # hits by hash refused because the cached tokens differ
+        # lazy hashes (KVCacheManager.enable_lazy_hashes): a node may hold fewer hashes than blocks, the rest
+        # computed from its tokens by this hasher (chained from its last hash) when a lookup or a split needs
+        # them; None: every node holds all its hashes
+        self.hasher = None
 
     # -- sizes ------------------------------------------------------------------
     @property
@@ -123,6 +127,16 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
+    def materialize(self, node: RadixNode) -> None:
+        """Compute the hashes a lazy node does not hold yet (the same values an eager insert stored)."""
+        h = node.hashes
+        have = len(h)
+        if have < len(node.block_ids):
+            w = self._width
+            h.extend(
+                self.hasher.token_bytes_hashes(bytes(node.tokens[have * w :]), self.block_size, have, h[-1])
+            )
+
     # -- paths ------------------------------------------------------------------
     def blocks_of(self, node: RadixNode) -> list[int]:
         """Block ids from the root down to the end of ``node``."""
@@ -144,6 +158,8 @@ class RadixCache:
 
     def _split(self, node: RadixNode, k: int) -> RadixNode:
         """Cut ``node`` after its first ``k`` blocks; return the new upper part (same locks and stamp)."""
+        if len(node.hashes) < len(node.block_ids):
+            self.materialize(node)
         cut = k * self._width
         tokens = node.tokens
         upper = RadixNode(
@@ -171,6 +187,8 @@ class RadixCache:
         child = node.children.get(hashes[i])
         if child is None:
             return None, 0
+        if len(child.hashes) < len(child.block_ids):
+            self.materialize(child)
         k = _common_prefix(child.hashes, hashes, i, n)
         if k < len(child.hashes):
             child = self._split(child, k)
@@ -280,7 +298,7 @@ class RadixCache:
         self._tick += 1
         tick = self._tick
         out: list[int] = []
-        while i < n:
+        while i < n and node.children:
             child, k = self._next_run(node, hashes, i, n)
             if child is None:
                 break
@@ -308,7 +326,10 @@ class RadixCache:
                 and node.lock_ref == 1
                 and (node.tokens is None) == (new_tokens is None)
             ):
-                node.hashes.extend(hashes[i:n])  # only the caller uses this leaf: grow it in place
+                # only the caller uses this leaf: grow it in place (a lazy node's hashes stay to compute; a
+                # caller with lazy hashes may give fewer than n: the node becomes lazy)
+                if len(node.hashes) == len(node.block_ids):
+                    node.hashes.extend(hashes[i:n])
                 node.block_ids.extend(new_blocks)
                 if new_tokens is not None:
                     node.tokens += new_tokens
@@ -355,7 +376,7 @@ class RadixCache:
             else:
                 to_free.extend(node.block_ids[-k:])
                 del node.block_ids[-k:]
-                del node.hashes[-k:]
+                del node.hashes[len(node.block_ids) :]  # (a lazy node may hold fewer)
                 if node.tokens is not None:
                     del node.tokens[-k * self._width :]
                 self._seq += 1
@@ -427,6 +448,9 @@ class RadixCache:
 
     # -- checks -----------------------------------------------------------------
     def check_invariants(self) -> None:
+        if self.hasher is not None:
+            for node in self.iter_nodes():
+                self.materialize(node)
         evictable = protected = nodes = 0
         entries = {(id(n), stamp) for stamp, _, n in self._heap}
         seen: set[int] = set()
