@@ -189,6 +189,10 @@ class KVCacheManager:
         if full <= have:
             return
         tokens = _token_bytes(req, have * bs, full * bs)  # what the cache keeps for the hit check
+        if self._lazy and have and not node.children and node.lock_ref == 1 and node.tokens is not None:
+            cache.grow_leaf(node, req.block_ids[have:full], tokens)  # the common case: a leaf of its own
+            self._paths[rid] = (node, full)
+            return
         hashes = self._hashes.get(rid)
         if hashes is None:
             hashes = self._hashes[rid] = []

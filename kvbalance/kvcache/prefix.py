@@ -343,6 +343,17 @@ class RadixCache:
             out.extend(new_blocks)
         return node, out
 
+    def grow_leaf(self, node: RadixNode, block_ids: list[int], tokens: bytes) -> None:
+        """:meth:`extend` of ``node`` (a leaf only the caller has locked, ``lock_ref == 1``, with tokens) by new
+        blocks, for a caller with lazy hashes (``hasher`` set): the same tick, references, counters, blocks and
+        tokens; the node's hashes are left to compute (:meth:`materialize`)."""
+        self._tick += 1
+        self.pool.incref(block_ids)
+        self.protected_blocks += len(block_ids)
+        node.block_ids.extend(block_ids)
+        node.tokens += tokens
+        node.last_access = self._tick
+
     def insert(
         self, hashes: Sequence[int], block_ids: Sequence[int], tokens: bytes | None = None
     ) -> tuple[RadixNode, list[int]]:
@@ -360,11 +371,13 @@ class RadixCache:
         freed = 0
         to_free: list[int] = []
         while freed < num_blocks and heap:
-            stamp, _, node = heapq.heappop(heap)
+            stamp, _, node = heap[0]
             if not node.alive or node.lock_ref != 0 or node.children or stamp != node.last_access:
+                heapq.heappop(heap)
                 continue  # stale entry
             k = min(len(node.block_ids), num_blocks - freed)
             if k == len(node.block_ids):
+                heapq.heappop(heap)
                 to_free.extend(node.block_ids)
                 node.alive = False
                 parent = node.parent
@@ -380,7 +393,7 @@ class RadixCache:
                 if node.tokens is not None:
                     del node.tokens[-k * self._width :]
                 self._seq += 1
-                heapq.heappush(heap, (stamp, self._seq, node))
+                heapq.heapreplace(heap, (stamp, self._seq, node))  # pop it, push it back: one sift
             self.evictable_blocks -= k
             freed += k
         self.pool.free(to_free)
