@@ -71,6 +71,15 @@ class DecodeRunStep:
     num_decode_seqs: int
 
 
+class RunStepResult:
+    """The result of one step of a cohort run, as far as step hooks read it (its duration)."""
+
+    __slots__ = ("duration_s",)
+
+    def __init__(self, duration_s: float) -> None:
+        self.duration_s = duration_s
+
+
 @dataclass
 class StepOutcome:
     plan: BatchPlan
@@ -107,6 +116,7 @@ class Instance:
         self.num_steps = 0
         self.busy_s = 0.0
         self.cohort_run_steps = 0  # of num_steps, those run by cohort_run (no plan)
+        self._run_shapes: dict[int, DecodeRunStep] = {}  # cohort_run's plan stand-ins, per member count
         # a request must fit the pool it can always count on (lent blocks may be reclaimed)
         self.max_request_blocks = (
             num_blocks if elastic is not None and elastic.mode == "elastic" else self.pool.num_blocks
@@ -344,30 +354,26 @@ class Instance:
         block events. Stops before a step that would end at or after ``horizon_s`` (the caller's next event
         that can read or change this instance), one whose new blocks might need a preemption, and when the next
         step is no longer the cohort's alone. ``on_step(outcome, end_s)`` gets each step (``outcome.plan`` is a
-        ``DecodeRunStep``), then ``on_finish`` each request it finished. Returns the time reached."""
+        ``DecodeRunStep``, ``outcome.result`` a ``RunStepResult``: counts and duration only), then ``on_finish``
+        each request it finished. Returns the time reached."""
         if self.elastic is not None or self.failed:
             return now
-        sched, ex = self.scheduler, self.executor
-        t = now
-        fn, fn_n = None, -1
-        while sched.cohort_run_ready():
-            n, ctx = sched.cohort_context()
-            if n != fn_n:
-                fn, fn_n = ex.decode_step_fn(n), n
-            d = fn(ctx)
-            end = t + d
-            if not end < horizon_s or not sched.cohort_grow():
-                break
+        ex = self.executor
+        shapes = self._run_shapes
+
+        def step_done(start_s: float, d: float, n: int, finished: list[Request]) -> None:
             ex.note_step(d)
             self.num_steps += 1
             self.cohort_run_steps += 1
             self.busy_s += d
-            finished = sched.cohort_advance(end)
-            on_step(StepOutcome(DecodeRunStep(n, n), StepResult(d), t), end)
+            plan = shapes.get(n)
+            if plan is None:
+                plan = shapes[n] = DecodeRunStep(n, n)
+            on_step(StepOutcome(plan, RunStepResult(d), start_s), start_s + d)
             for req in finished:
                 on_finish(req)
-            t = end
-        return t
+
+        return self.scheduler.cohort_run(now, horizon_s, ex.decode_step_fn, step_done)
 
     def _catch_up(self, req: Request, c0: int, done: list[int], i: int, j: int, ends: list[float]) -> None:
         """Write steps done[i]+1 .. j of a decode run into ``req`` (computed tokens, tokens, token times)."""

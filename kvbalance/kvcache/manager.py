@@ -164,6 +164,17 @@ class KVCacheManager:
         req.block_ids.extend(self.pool.allocate(need))
         return True
 
+    def allocate_one(self, req: Request) -> bool:
+        """:meth:`allocate_slots` for a token count that needs exactly one more block (a decode at a block's
+        first position), the same eviction and allocation without the arithmetic."""
+        pool = self.pool
+        if pool.num_free < 1 and self.cache is not None:
+            self.cache.evict(1)
+        if pool.num_free < 1:
+            return False
+        req.block_ids.extend(pool.allocate(1))
+        return True
+
     def reserve(self, num_blocks: int, keep_available: int = 0) -> list[int] | None:
         """``num_blocks`` blocks for KV arriving from outside before its request does (a live migration's
         destination), evicting unreferenced cached blocks if needed, while ``keep_available`` blocks stay

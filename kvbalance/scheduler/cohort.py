@@ -181,37 +181,55 @@ class CohortScheduling:
         name = self.policy.name
         return name == "vllm" or (name == "sarathi" and len(cohort) <= self.config.max_num_batched_tokens)
 
-    def cohort_context(self) -> tuple[int, int]:
-        """(members, their contexts' sum after the next step): the shape of a cohort-only step."""
-        n = len(self._cohort)
-        return n, self._cbase + n * (self._g + 1)
-
-    def cohort_grow(self) -> bool:
-        """The next cohort step's new blocks, allocated in running order as its plan would; False (nothing
-        changed) if they might not all fit without a preemption."""
-        g = self._g
+    def cohort_run(
+        self,
+        now: float,
+        horizon_s: float,
+        step_fn: Callable[[int], Callable[[int], float]],
+        on_step: Callable[[float, float, int, list[Request]], None],
+    ) -> float:
+        """Run the steps from ``now`` that are the cohort's alone, each as :meth:`schedule` then :meth:`update`
+        of its plan would (the members' new blocks in running order when it is planned, their fills and
+        finishes when it ends), without a plan. ``step_fn(n)`` gives a step's duration from its members'
+        context sum (``SimExecutor.decode_step_fn``); ``on_step(start_s, duration_s, members, finished)``
+        follows each step. Stops before a step that would end at or after ``horizon_s`` and one whose new
+        blocks might need a preemption (both then go the planned way). Returns the time reached."""
+        if not self.cohort_run_ready():
+            return now
+        cohort = self._cohort
+        buckets = self._buckets
         bs = self.block_size
-        grow = [m for m in self._buckets.get(g % bs, ()) if m.c0 + g - m.g0 >= len(m.req.block_ids) * bs]
-        if not grow:
-            return True
         kv = self.kv
-        if len(grow) > kv.num_available_blocks:
-            return False
-        for m in grow:
-            if not kv.allocate_slots(m.req, m.c0 + g - m.g0 + 1):
-                raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
-        return True
-
-    def cohort_advance(self, now: float) -> list[Request]:
-        """Apply a cohort-only step that ended at ``now`` (:meth:`update` of its plan); return who finished."""
-        finished: list[Request] = []
-        events, fins = self._advance(now)
-        for m in events:
-            self._member_event(m, fins, now, finished)
-        if finished:
-            running = RequestState.RUNNING
-            self.running = [r for r in self.running if r.state is running]
-        return finished
+        running = RequestState.RUNNING
+        t = now
+        fn, fn_n = None, -1
+        while cohort:  # nothing joins or waits in a run: it stays the cohort's alone while members are left
+            n = len(cohort)
+            g = self._g
+            if n != fn_n:
+                fn, fn_n = step_fn(n), n
+            d = fn(self._cbase + n * (g + 1))
+            end = t + d
+            if not end < horizon_s:
+                break
+            bucket = buckets.get(g % bs)
+            if bucket:
+                grow = [m for m in bucket if m.c0 + g - m.g0 >= len(m.req.block_ids) * bs]
+                if grow:
+                    if len(grow) > kv.num_available_blocks:
+                        break
+                    for m in grow:  # one block each (a decode at a block's first position)
+                        if not kv.allocate_one(m.req):
+                            raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
+            finished: list[Request] = []
+            events, fins = self._advance(end)
+            for m in events:
+                self._member_event(m, fins, end, finished)
+            if finished:
+                self.running = [r for r in self.running if r.state is running]
+            on_step(t, d, n, finished)
+            t = end
+        return t
 
     def _advance(self, now: float) -> tuple[list[_Member], list[_Member] | None]:
         """One cohort step done at ``now``: the members with an event, in running order, and those finishing."""
@@ -285,8 +303,7 @@ class CohortScheduling:
             order = [(0, r) for r in decodes]
         for _, x in order:
             if isinstance(x, _Member):
-                g = self._g
-                if not kv.allocate_slots(x.req, x.c0 + g - x.g0 + 1):
+                if not kv.allocate_one(x.req):  # its decode is a block's first token
                     raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
                 continue
             req = x
