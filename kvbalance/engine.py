@@ -347,6 +347,7 @@ class Instance:
         horizon_s: float,
         on_step: Callable[[StepOutcome, float], None],
         on_finish: Callable[[Request], None],
+        on_steps: Callable[..., None] | None = None,
     ) -> float:
         """Run the steps from ``now`` that are the decode cohort's alone (``Scheduler.cohort_run_ready``), each
         exactly as :meth:`step` then :meth:`complete` would (same blocks, tokens, times, counters), without a
@@ -355,10 +356,16 @@ class Instance:
         that can read or change this instance), one whose new blocks might need a preemption, and when the next
         step is no longer the cohort's alone. ``on_step(outcome, end_s)`` gets each step (``outcome.plan`` is a
         ``DecodeRunStep``, ``outcome.result`` a ``RunStepResult``: counts and duration only), then ``on_finish``
-        each request it finished. Returns the time reached."""
+        each request it finished. Returns the time reached.
+
+        With ``on_steps`` (a recorder), the run's steps go to it at the end instead, as columns:
+        ``on_steps(starts_s, durations_s, batch_tokens, running, waiting, kv_used_tokens)`` (``running`` etc.:
+        the counts after each step, what a hook reads then), before ``on_finish`` gets the finished requests."""
         if self.elastic is not None or self.failed:
             return now
         ex = self.executor
+        if on_steps is not None:
+            return self._cohort_run_recorded(now, horizon_s, on_finish, on_steps)
         shapes = self._run_shapes
 
         def step_done(start_s: float, d: float, n: int, finished: list[Request]) -> None:
@@ -374,6 +381,38 @@ class Instance:
                 on_finish(req)
 
         return self.scheduler.cohort_run(now, horizon_s, ex.decode_step_fn, step_done)
+
+    def _cohort_run_recorded(
+        self, now: float, horizon_s: float, on_finish: Callable[[Request], None], on_steps: Callable[..., None]
+    ) -> float:
+        ex, sched, kv = self.executor, self.scheduler, self.kv
+        starts: list[float] = []
+        durations: list[float] = []
+        tokens: list[int] = []
+        running: list[int] = []
+        kv_used: list[int] = []
+        done: list[Request] = []
+
+        def step_done(start_s: float, d: float, n: int, finished: list[Request]) -> None:
+            starts.append(start_s)
+            durations.append(d)
+            tokens.append(n)
+            running.append(len(sched.running))
+            kv_used.append(kv.kv_used_tokens)
+            if finished:
+                done.extend(finished)
+
+        t = sched.cohort_run(now, horizon_s, ex.decode_step_fn, step_done)
+        if durations:
+            for d in durations:  # the same sums, in the same order, as step by step
+                ex.note_step(d)
+                self.busy_s += d
+            self.num_steps += len(durations)
+            self.cohort_run_steps += len(durations)
+            on_steps(starts, durations, tokens, running, [len(sched.waiting)] * len(durations), kv_used)
+            for req in done:
+                on_finish(req)
+        return t
 
     def _catch_up(self, req: Request, c0: int, done: list[int], i: int, j: int, ends: list[float]) -> None:
         """Write steps done[i]+1 .. j of a decode run into ``req`` (computed tokens, tokens, token times)."""

@@ -154,6 +154,8 @@ class Cluster:
             # without reading loads (round robin) and nothing is called back on finishes
             if cohort and m.instance.enable_decode_cohort() and on_finish is None and m.role == "colocated":
                 m.driver.ahead = self._own_arrival_s(m)
+                if self.migration is None and self.llumnix is None:  # the step hook only records
+                    m.driver.on_steps = self._steps_recorder(m)
 
     def _next_arrival_s(self) -> float:
         return self._arrivals[0] if self._arrivals else math.inf
@@ -285,6 +287,18 @@ class Cluster:
                 self.check_member(m)
 
         return on_step
+
+    def _steps_recorder(self, m: Member) -> Callable:
+        """The step hook's recording, for a cohort run's steps as columns (``Instance.cohort_run``)."""
+        tl = m.timeline
+        cap = m.instance.kv_capacity_tokens
+
+        def on_steps(starts, durations, tokens, running, waiting, kv_used) -> None:
+            m.step_starts_s.extend(starts)
+            m.step_durations_s.extend(durations)
+            tl.record_steps(starts, running, waiting, kv_used, cap, tokens, durations)
+
+        return on_steps
 
     def _finish_hook(self, m: Member) -> Callable:
         def on_finish(req: Request) -> None:

@@ -101,6 +101,7 @@ class InstanceDriver:
         on_finish: Callable[[Request], None] | None = None,
         horizon: Callable[[], float] | None = None,
         ahead: Callable[[], float] | None = None,
+        on_steps: Callable[..., None] | None = None,
     ) -> None:
         self.loop = loop
         self.instance = instance
@@ -109,6 +110,7 @@ class InstanceDriver:
         self.on_finish = on_finish
         self.horizon = horizon
         self.ahead = ahead
+        self.on_steps = on_steps  # a recorder of a cohort run's steps as columns (Instance.cohort_run), or None
         self.run_end_s = -math.inf  # end of the last decode run simulated ahead of the clock
         self.decode_run_steps = 0
 
@@ -155,7 +157,7 @@ class InstanceDriver:
         cohort = inst.scheduler.cohort_size is not None
         while True:
             if cohort:
-                t_run = inst.cohort_run(t, horizon, run_step, run_finish)
+                t_run = inst.cohort_run(t, horizon, run_step, run_finish, self.on_steps)
                 if t_run != t:
                     self.busy = True
                     self.run_end_s = t = t_run
