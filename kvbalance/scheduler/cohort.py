@@ -277,14 +277,14 @@ class CohortScheduling:
         grow: list[_Member] = []
         if cohort:
             g = self._g
-            for m in self._buckets.get(g % bs, ()):
-                if m.c0 + g - m.g0 >= len(m.req.block_ids) * bs:
-                    grow.append(m)
+            bucket = self._buckets.get(g % bs)
+            if bucket:
+                grow = [m for m in bucket if m.c0 + g - m.g0 >= len(m.req.block_ids) * bs]
             need = len(grow)
             for r in decodes:
                 if r.num_computed_tokens >= len(r.block_ids) * bs:
                     need += 1
-            if len(cohort) + len(decodes) > budget or need > self.kv.num_available_blocks:
+            if len(cohort) + len(decodes) > budget or (need and need > self.kv.num_available_blocks):
                 # a decode might go without budget or blocks (a preemption): everyone step by step
                 self._dissolve()
                 return self._cohort_schedule_running(plan, budget)
@@ -293,12 +293,15 @@ class CohortScheduling:
         preempted = self.num_preemptions
         running = RequestState.RUNNING
         kv = self.kv
-        if grow and decodes:  # both in running order
+        if not decodes:  # the usual step: the members' new blocks, in running order
+            for m in grow:
+                if not kv.allocate_one(m.req):  # its decode is a block's first token
+                    raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
+            order = ()
+        elif grow:  # both in running order
             pos = self._pos
             order = sorted([(m.pos, m) for m in grow] + [(pos[r.request_id], r) for r in decodes],
                            key=lambda x: x[0])  # fmt: skip
-        elif grow:
-            order = [(0, m) for m in grow]
         else:
             order = [(0, r) for r in decodes]
         for _, x in order:
