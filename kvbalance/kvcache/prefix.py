@@ -367,6 +367,31 @@ class RadixCache:
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` blocks, trimming the tails of least recently used unlocked leaves."""
         heap = self._heap
+        if num_blocks == 1 and heap:  # a decode's block: one off the LRU leaf's tail, the loop below in short
+            stamp, _, node = heap[0]
+            ids = node.block_ids
+            if (
+                len(ids) > 1
+                and node.alive
+                and node.lock_ref == 0
+                and not node.children
+                and stamp == node.last_access
+            ):
+                b = ids.pop()
+                del node.hashes[len(ids) :]
+                if node.tokens is not None:
+                    del node.tokens[-self._width :]
+                self._seq += 1
+                entry = (stamp, self._seq, node)
+                n = len(heap)  # still the smallest (the usual case): no sift
+                if (n < 2 or entry < heap[1]) and (n < 3 or entry < heap[2]):
+                    heap[0] = entry
+                else:
+                    heapq.heapreplace(heap, entry)
+                self.evictable_blocks -= 1
+                self.pool.free((b,))
+                self.num_evicted += 1
+                return 1
         root = self.root
         freed = 0
         to_free: list[int] = []
