@@ -383,7 +383,11 @@ class Instance:
         return self.scheduler.cohort_run(now, horizon_s, ex.decode_step_fn, step_done)
 
     def _cohort_run_recorded(
-        self, now: float, horizon_s: float, on_finish: Callable[[Request], None], on_steps: Callable[..., None]
+        self,
+        now: float,
+        horizon_s: float,
+        on_finish: Callable[[Request], None],
+        on_steps: Callable[..., None],
     ) -> float:
         ex, sched, kv = self.executor, self.scheduler, self.kv
         starts: list[float] = []

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from kvbalance.executor.sim import standin_token
 from kvbalance.perf.cost import CostModel, breakdown_total_s
 from kvbalance.request import Request, SamplingParams
 from kvbalance.workloads.tokens import unique_prompt
@@ -69,7 +70,13 @@ def _mixed_requests(n: int) -> list[Request]:
             sp.logprobs = 2
         out.append(Request(f"m{i}", unique_prompt(i, rng.randint(1, 1500)), sp, arrival_s=t,
                            eos_token_id=2 if kind == 3 else None))  # fmt: skip
-    return out
+    # a prompt that continues another request's output (its stand-in tokens) while that one still decodes:
+    # the lookup reaches blocks the cohort fills, whose publication may be deferred
+    first = Request("talker", list(range(1000, 1100)), SamplingParams(max_tokens=400, ignore_eos=True))
+    said = [standin_token("talker", 100 + i) for i in range(150)]
+    reply = Request("reply", [*range(1000, 1100), *said, 5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True),
+                    arrival_s=4.0)  # fmt: skip
+    return [first, *out, reply]
 
 
 def _single_runs() -> list[str]:
@@ -92,6 +99,9 @@ def _single_runs() -> list[str]:
                 json.dumps([res.timeline.column(c).tolist() for c in res.timeline.columns])]  # fmt: skip
         out.append(json.dumps([res.instance.num_steps, res.instance.busy_s, _kv_state(res.instance)]))
     res = run_simulation(base, report=False, requests=_mixed_requests(250))
+    assert (
+        res.requests[-1].request_id == "reply" and res.requests[-1].prefix_hit_tokens > 116
+    )  # into its decode blocks
     out += [json.dumps(res.summary, sort_keys=True, default=str), _rows(res.requests)]
     return out
 

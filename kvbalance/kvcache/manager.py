@@ -63,6 +63,9 @@ class KVCacheManager:
         self._paths: dict[str, tuple[RadixNode, int]] = {}
         self._hashes: dict[str, list[int]] = {}  # request id -> its chained block hashes so far
         self._lazy = False  # enable_lazy_hashes
+        self._deferred: dict[
+            str, list
+        ] = {}  # request id -> [its leaf, blocks filled, tick]: defer_full_block
 
     def enable_lazy_hashes(self) -> bool:
         """Hash blocks only where a lookup needs them (a simulator fast path; exact: the same hits, the same
@@ -197,6 +200,8 @@ class KVCacheManager:
         full = req.num_computed_tokens // bs
         rid = req.request_id
         node, have = self._paths.get(rid) or (cache.root, 0)
+        if rid in self._deferred:
+            raise RuntimeError(f"{req}: blocks to publish first (defer_full_block)")
         if full <= have:
             return
         tokens = _token_bytes(req, have * bs, full * bs)  # what the cache keeps for the hit check
@@ -232,13 +237,56 @@ class KVCacheManager:
         # where another request cached a block first, the cache keeps its copy and req keeps its own
         self._paths[rid] = (node, full)
 
+    def defer_full_block(self, req: Request, flush) -> bool:
+        """Instead of :meth:`cache_full_blocks` for a block ``req`` just filled, note it and publish it later
+        (``flush`` then: it brings ``req``'s tokens up to date and calls :meth:`publish_deferred`), the cache
+        ending exactly as if it had been published now; False (nothing done) unless ``req``'s cached path ends
+        at a leaf only it uses (lazy hashes on). Anything that reads that leaf or ``req``'s cached blocks first
+        publishes them: a lookup reaching the leaf, a split, :meth:`free`, :meth:`detach`, the checks."""
+        rid = req.request_id
+        d = self._deferred.get(rid)
+        cache = self.cache
+        if d is None:
+            path = self._paths.get(rid)
+            if not self._lazy or path is None:
+                return False
+            node = path[0]
+            if node.children or node.lock_ref != 1 or node.tokens is None:
+                return False
+            d = self._deferred[rid] = [node, 0, 0]
+            node.flush = flush
+        d[1] += 1
+        d[2] = cache.take_tick()
+        return True
+
+    def publish_deferred(self, req: Request) -> None:
+        """Publish the blocks :meth:`defer_full_block` noted for ``req`` (its tokens up to date)."""
+        d = self._deferred.pop(req.request_id, None)
+        if d is None:
+            return
+        node, count, tick = d
+        node.flush = None
+        rid = req.request_id
+        have = self._paths[rid][1]
+        bs = self.block_size
+        self.cache.grow_leaf(node, req.block_ids[have : have + count], _token_bytes(req, have * bs, (have + count) * bs),
+                             tick)  # fmt: skip
+        self._paths[rid] = (node, have + count)
+
+    def _publish_first(self, req: Request) -> None:
+        d = self._deferred.get(req.request_id)
+        if d is not None:
+            d[0].flush()
+
     def num_cached_blocks_of(self, req: Request) -> int:
+        self._publish_first(req)
         path = self._paths.get(req.request_id)
         return 0 if path is None else path[1]
 
     # -- release ------------------------------------------------------------------------------------
     def free(self, req: Request) -> None:
         """Release ``req``'s blocks and its lock on the prefix cache (its cached blocks stay cached)."""
+        self._publish_first(req)
         path = self._paths.pop(req.request_id, None)
         if path is not None:
             self.cache.unlock(path[0])
@@ -249,6 +297,7 @@ class KVCacheManager:
         """Take ``req``'s blocks and cache lock out of its hands without releasing them (a transfer still
         reads or writes them); the caller keeps ``req``'s former block table and returns both through
         :meth:`release_held`. Returns the lock (or None)."""
+        self._publish_first(req)
         req.block_ids = []
         return self._paths.pop(req.request_id, None)
 
@@ -281,7 +330,7 @@ class KVCacheManager:
         self.pool.check_invariants()
         cache = self.cache
         if cache is not None:
-            cache.check_invariants()
+            cache.check_invariants()  # (publishes what is deferred first)
         refs: dict[int, int] = {}
         for req in holders:
             if len(req.block_ids) < self.pool.blocks_for_tokens(req.num_computed_tokens):

@@ -42,6 +42,7 @@ class RadixNode:
         "lock_ref",
         "last_access",
         "alive",
+        "flush",
     )
 
     def __init__(
@@ -56,6 +57,9 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = 0
         self.alive = True
+        self.flush = (
+            None  # set while its one locker has blocks to publish here still (deferred): publishes them
+        )
 
     def __repr__(self) -> str:
         return f"RadixNode(blocks={len(self.block_ids)}, lock_ref={self.lock_ref}, children={len(self.children)})"
@@ -158,6 +162,8 @@ class RadixCache:
 
     def _split(self, node: RadixNode, k: int) -> RadixNode:
         """Cut ``node`` after its first ``k`` blocks; return the new upper part (same locks and stamp)."""
+        if node.flush is not None:
+            node.flush()
         if len(node.hashes) < len(node.block_ids):
             self.materialize(node)
         cut = k * self._width
@@ -187,6 +193,8 @@ class RadixCache:
         child = node.children.get(hashes[i])
         if child is None:
             return None, 0
+        if child.flush is not None:  # a lookup reaches blocks published late: publish them first
+            child.flush()
         if len(child.hashes) < len(child.block_ids):
             self.materialize(child)
         k = _common_prefix(child.hashes, hashes, i, n)
@@ -343,16 +351,32 @@ class RadixCache:
             out.extend(new_blocks)
         return node, out
 
-    def grow_leaf(self, node: RadixNode, block_ids: list[int], tokens: bytes) -> None:
+    def grow_leaf(
+        self, node: RadixNode, block_ids: list[int], tokens: bytes, tick: int | None = None
+    ) -> None:
         """:meth:`extend` of ``node`` (a leaf only the caller has locked, ``lock_ref == 1``, with tokens) by new
         blocks, for a caller with lazy hashes (``hasher`` set): the same tick, references, counters, blocks and
-        tokens; the node's hashes are left to compute (:meth:`materialize`)."""
-        self._tick += 1
+        tokens; the node's hashes are left to compute (:meth:`materialize`). ``tick``: the one taken when the
+        last of these blocks filled (:meth:`take_tick`; publication deferred), instead of a new one."""
+        if tick is None:
+            self._tick += 1
+            tick = self._tick
         self.pool.incref(block_ids)
         self.protected_blocks += len(block_ids)
         node.block_ids.extend(block_ids)
         node.tokens += tokens
-        node.last_access = self._tick
+        node.last_access = tick
+
+    def take_tick(self) -> int:
+        """The tick an :meth:`extend` now would stamp (and count), for a publication deferred to later."""
+        self._tick += 1
+        return self._tick
+
+    def flush_all(self) -> None:
+        """Publish every block whose publication is deferred (``RadixNode.flush``)."""
+        for node in list(self.iter_nodes()):
+            if node.flush is not None:
+                node.flush()
 
     def insert(
         self, hashes: Sequence[int], block_ids: Sequence[int], tokens: bytes | None = None
@@ -434,6 +458,7 @@ class RadixCache:
         targets = set(block_ids)
         if not targets:
             return 0
+        self.flush_all()
         root = self.root
         freed: list[int] = []
         nodes_removed = 0
@@ -486,6 +511,7 @@ class RadixCache:
 
     # -- checks -----------------------------------------------------------------
     def check_invariants(self) -> None:
+        self.flush_all()
         if self.hasher is not None:
             for node in self.iter_nodes():
                 self.materialize(node)

@@ -36,7 +36,7 @@ class _Member:
     """A request of the cohort: it joined at cohort step ``g0`` with ``c0`` computed tokens and ``o0`` outputs;
     its lists are written up to step ``done``; ``pos`` is its place in the running order."""
 
-    __slots__ = ("req", "rid", "c0", "o0", "g0", "done", "pos", "key")
+    __slots__ = ("req", "rid", "c0", "o0", "g0", "done", "pos", "key", "flush")
 
     def __init__(self, req: Request, g: int, pos: int, block_size: int) -> None:
         self.req = req
@@ -46,6 +46,7 @@ class _Member:
         self.g0 = self.done = g
         self.pos = pos
         self.key = (g - self.c0) % block_size  # its position is a block's first at steps g = key (mod bs)
+        self.flush = None  # publishes its filled blocks, deferred (KVCacheManager.defer_full_block)
 
     def __lt__(self, other: _Member) -> bool:
         return self.pos < other.pos
@@ -89,6 +90,11 @@ class CohortScheduling:
             req.token_times_s.extend(self._ends[k:j])
             m.done = j
 
+    def _publish(self, m: _Member) -> None:
+        """Publish a member's deferred blocks (its lists written up to now first)."""
+        self._catch_up(m, self._g)
+        self.kv.publish_deferred(m.req)
+
     def _drop(self, m: _Member) -> None:
         """Take a member out of the cohort (its lists already written)."""
         del self._cohort[m.rid]
@@ -110,6 +116,7 @@ class CohortScheduling:
     def _join(self, req: Request) -> None:
         bs = self.block_size
         m = _Member(req, self._g, self._pos[req.request_id], bs)
+        m.flush = lambda: self._publish(m)
         self._cohort[m.rid] = m
         bucket = self._buckets.get(m.key)
         if bucket is None:
@@ -153,9 +160,11 @@ class CohortScheduling:
             return
         self._others = None  # the caller may change the running list
         g = self._g
+        kv = self.kv
         for m in cohort.values():
             if m.done != g:
                 self._catch_up(m, g)
+            kv.publish_deferred(m.req)
 
     def _dissolve(self) -> None:
         """:meth:`settle` and empty the cohort (members rejoin at their next sample); between steps only."""
@@ -247,10 +256,14 @@ class CohortScheduling:
     ) -> None:
         """A member's block fill (published) and or last token (finished), as the step-by-step update does."""
         req = m.req
-        self._catch_up(m, self._g)
-        if self.cache is not None and req.num_computed_tokens % self.block_size == 0:
-            self.kv.cache_full_blocks(req)
+        if self.cache is not None and (m.c0 + self._g - m.g0) % self.block_size == 0:  # a block filled
+            # published now, or noted and published when something reads it (the same cache in the end)
+            if not self.kv.defer_full_block(req, m.flush):
+                self._catch_up(m, self._g)
+                self.kv.cache_full_blocks(req)
         if fins is not None and m in fins:
+            self._catch_up(m, self._g)
+            self.kv.publish_deferred(req)
             self._drop(m)
             self._pos.pop(m.rid, None)
             self._release(req, finished=True)

@@ -110,7 +110,9 @@ class InstanceDriver:
         self.on_finish = on_finish
         self.horizon = horizon
         self.ahead = ahead
-        self.on_steps = on_steps  # a recorder of a cohort run's steps as columns (Instance.cohort_run), or None
+        self.on_steps = (
+            on_steps  # a recorder of a cohort run's steps as columns (Instance.cohort_run), or None
+        )
         self.run_end_s = -math.inf  # end of the last decode run simulated ahead of the clock
         self.decode_run_steps = 0
 
