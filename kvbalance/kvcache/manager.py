@@ -172,6 +172,11 @@ class KVCacheManager:
         first position), the same eviction and allocation without the arithmetic."""
         pool = self.pool
         if pool.num_free < 1 and self.cache is not None:
+            if type(pool) is BlockPool:  # the evicted block, still referenced once, is the request's now
+                b = self.cache.take_lru_tail()
+                if b is not None:
+                    req.block_ids.append(b)
+                    return True
             self.cache.evict(1)
         if pool.num_free < 1:
             return False

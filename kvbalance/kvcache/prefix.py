@@ -392,29 +392,9 @@ class RadixCache:
         """Free up to ``num_blocks`` blocks, trimming the tails of least recently used unlocked leaves."""
         heap = self._heap
         if num_blocks == 1 and heap:  # a decode's block: one off the LRU leaf's tail, the loop below in short
-            stamp, _, node = heap[0]
-            ids = node.block_ids
-            if (
-                len(ids) > 1
-                and node.alive
-                and node.lock_ref == 0
-                and not node.children
-                and stamp == node.last_access
-            ):
-                b = ids.pop()
-                del node.hashes[len(ids) :]
-                if node.tokens is not None:
-                    del node.tokens[-self._width :]
-                self._seq += 1
-                entry = (stamp, self._seq, node)
-                n = len(heap)  # still the smallest (the usual case): no sift
-                if (n < 2 or entry < heap[1]) and (n < 3 or entry < heap[2]):
-                    heap[0] = entry
-                else:
-                    heapq.heapreplace(heap, entry)
-                self.evictable_blocks -= 1
+            b = self.take_lru_tail()
+            if b is not None:
                 self.pool.free((b,))
-                self.num_evicted += 1
                 return 1
         root = self.root
         freed = 0
@@ -448,6 +428,39 @@ class RadixCache:
         self.pool.free(to_free)
         self.num_evicted += freed
         return freed
+
+    def take_lru_tail(self) -> int | None:
+        """:meth:`evict` of one block where it trims the least recently used leaf's tail (the leaf keeps other
+        blocks), but the block is handed to the caller with the cache's pool reference instead of freed (the
+        caller frees it, or keeps it as its own: what ``free`` then ``allocate(1)`` would do); None (nothing
+        changed) in any other case."""
+        heap = self._heap
+        if not heap:
+            return None
+        stamp, _, node = heap[0]
+        ids = node.block_ids
+        if not (
+            len(ids) > 1
+            and node.alive
+            and node.lock_ref == 0
+            and not node.children
+            and stamp == node.last_access
+        ):
+            return None
+        b = ids.pop()
+        del node.hashes[len(ids) :]
+        if node.tokens is not None:
+            del node.tokens[-self._width :]
+        self._seq += 1
+        entry = (stamp, self._seq, node)
+        n = len(heap)  # still the smallest (the usual case): no sift
+        if (n < 2 or entry < heap[1]) and (n < 3 or entry < heap[2]):
+            heap[0] = entry
+        else:
+            heapq.heapreplace(heap, entry)
+        self.evictable_blocks -= 1
+        self.num_evicted += 1
+        return b
 
     def evict_blocks(self, block_ids: Sequence[int]) -> int:
         """Drop the given blocks from the prefix cache, with every cached block below them; return blocks freed.

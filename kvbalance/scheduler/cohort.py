@@ -249,7 +249,9 @@ class CohortScheduling:
         fins = self._fin.pop(g, None)
         if fills and fins:
             return sorted({id(m): m for m in (*fills, *fins)}.values()), fins
-        return list(fills or fins or ()), fins
+        if fins:
+            return list(fins), fins  # (finishing members leave the lists)
+        return fills or (), None  # (read only: nobody leaves)
 
     def _member_event(
         self, m: _Member, fins: list[_Member] | None, now: float, finished: list[Request]
