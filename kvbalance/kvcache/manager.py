@@ -146,9 +146,10 @@ class KVCacheManager:
             self.pool.incref(hit_blocks)
             self._paths[req.request_id] = (hit.node, hit.num_blocks)
         need = self.pool.blocks_for_tokens(num_tokens) - hit.num_blocks
-        if not self._ensure_free(need):  # cannot happen after can_admit
+        new = self._take(need)
+        if new is None:  # cannot happen after can_admit
             raise RuntimeError("block accounting: admission check passed but allocation failed")
-        req.block_ids = hit_blocks + self.pool.allocate(need)
+        req.block_ids = hit_blocks + new
 
     # -- growth -----------------------------------------------------------------------------------
     def _ensure_free(self, n: int) -> bool:
@@ -157,14 +158,33 @@ class KVCacheManager:
             self.cache.evict(short)
         return self.pool.num_free >= n
 
+    def _take(self, n: int) -> list[int] | None:
+        """:meth:`_ensure_free` then ``pool.allocate(n)``: the same blocks in the same order, the evicted ones
+        handed over with the cache's reference instead of freed and allocated again; None (what eviction freed
+        stays free) if they don't fit."""
+        pool = self.pool
+        short = n - pool.num_free
+        if short > 0 and self.cache is not None:
+            if type(pool) is BlockPool:
+                got = self.cache.evict_taking(short)
+                if len(got) < short:
+                    pool.free(got)
+                    return None
+                return pool.allocate(n - short) + got  # allocate(n) after the free: the free list's tail
+            self.cache.evict(short)
+        if pool.num_free < n:
+            return None
+        return pool.allocate(n)
+
     def allocate_slots(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req``'s block table to hold ``num_tokens`` tokens; False (nothing changed) if they don't fit."""
         need = self.pool.blocks_for_tokens(num_tokens) - len(req.block_ids)
         if need <= 0:
             return True
-        if not self._ensure_free(need):
+        new = self._take(need)
+        if new is None:
             return False
-        req.block_ids.extend(self.pool.allocate(need))
+        req.block_ids.extend(new)
         return True
 
     def allocate_one(self, req: Request) -> bool:

@@ -396,6 +396,14 @@ class RadixCache:
             if b is not None:
                 self.pool.free((b,))
                 return 1
+        to_free = self.evict_taking(num_blocks)
+        self.pool.free(to_free)
+        return len(to_free)
+
+    def evict_taking(self, num_blocks: int) -> list[int]:
+        """:meth:`evict`, but the blocks are handed to the caller in the order ``evict`` frees them, each still
+        with the cache's pool reference (the caller frees them, or keeps them: ``free`` then ``allocate``)."""
+        heap = self._heap
         root = self.root
         freed = 0
         to_free: list[int] = []
@@ -425,9 +433,8 @@ class RadixCache:
                 heapq.heapreplace(heap, (stamp, self._seq, node))  # pop it, push it back: one sift
             self.evictable_blocks -= k
             freed += k
-        self.pool.free(to_free)
         self.num_evicted += freed
-        return freed
+        return to_free
 
     def take_lru_tail(self) -> int | None:
         """:meth:`evict` of one block where it trims the least recently used leaf's tail (the leaf keeps other
