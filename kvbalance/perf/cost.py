@@ -241,6 +241,7 @@ class CostModel:
         self._gaps_s = self.gpu.per_layer_overhead_s * self.model.num_layers  # the per-layer launch gaps
         self._lm_memo: dict[int, tuple] = {}
         self._decode_fns: dict[int, Callable[[int], float]] = {}  # decode_step_fn's, per sequence count
+        self._tally_memo: dict[tuple, tuple] = {}  # step_tallied's context-free values (_tally_fixed)
         self._attn_memo: dict[
             tuple, tuple
         ] = {}  # (attention op, its tokens, the step's if equal) -> _attn_terms
@@ -471,65 +472,57 @@ class CostModel:
         return fn
 
     def step_tallied(self, num_seqs: int, sums: tuple[int, int, int, int, float, int, int]) -> StepBreakdown:
-        """:meth:`step` of ``num_seqs`` sequences whose :func:`tally` is ``sums`` (the memoised path)."""
-        memo = self._step_memo
+        """:meth:`step` of ``num_seqs`` sequences whose :func:`tally` is ``sums`` (the memoised path): what does not
+        depend on the contexts memoised per (sequences, tokens, sampled, prompt-chunk tokens, decodes)
+        (:meth:`_tally_fixed`), the rest the same operations in the same order."""
         tokens, sampled, pre_tokens, pre_ctx, pre_pairs, dec_seqs, dec_ctx = sums
         if tokens == 0:
             return StepBreakdown()
-        terms = memo.get(tokens)
-        if terms is None:
-            terms = self._terms_of(tokens)
-        c_pre, m_pre, o_pre, f_pre, b_pre, o_pre_seq, post, kernels, comm_s, at = terms
-        post_c, post_m, post_o, post_f, post_b = post
-        hw, eng = self.gpu, self.engine
-        work = eng.host_work_s(hw, num_seqs, tokens, self.tp)
-        compute_s, memory_s, flops, num_bytes = c_pre, m_pre, f_pre, b_pre
-        # the operators before attention: their sums from 0 are fixed by T; a serial engine's overhead starts
-        # from its host work, so its latencies are added one by one
-        overhead_s = o_pre if eng.overlap else reduce(add, o_pre_seq, work + self._gaps_s)
-        L = self.model.num_layers
-        m, dt = self.model, self._dt
-        hd, heads_r, kvl, q_r = m.head_dim, self._heads_r, self._kv_token_layer_bytes, self._q_r
-        T = float(tokens)
-        mem_half = hw.memory_half_bytes
-        for name, size, a_flops, a_bytes in (
-            ("attn_prefill", pre_tokens, 4.0 * hd * heads_r * pre_pairs, pre_ctx * kvl + 2.0 * pre_tokens * q_r * dt),
-            ("attn_decode", dec_seqs, 4.0 * hd * heads_r * dec_ctx, dec_ctx * kvl + 2.0 * dec_seqs * q_r * dt),
-        ):  # fmt: skip
-            if not size:
-                continue
-            # _op_terms of OpCount(name, ATTENTION, a_flops, a_bytes, size, repeat=L), its FLOP- and byte-free
-            # factors memoised: compute_time_s and memory_time_s with the same operations in the same order
-            r, c_num, c_den, m_den, o = self._attn_terms(name, size, at, T)
+        key = (num_seqs, tokens, sampled, pre_tokens, dec_seqs)
+        fx = self._tally_memo.get(key)
+        if fx is None:
+            fx = self._tally_fixed(key)
+        (compute_s, memory_s, flops, num_bytes, overhead_s, work, pre_t, dec_t, post_c, post_m, post_f, post_b,
+         lm, launch, comm_s) = fx  # fmt: skip
+        if pre_t is not None:
+            # _op_terms of OpCount("attn_prefill", ATTENTION, a_flops, a_bytes, pre_tokens, repeat=L), its FLOP-
+            # and byte-free factors memoised: compute_time_s and memory_time_s's operations in the same order
+            k_flops, kvl, q_bytes, mem_half, L, r, c_num, c_den, m_den = pre_t
+            a_flops = k_flops * pre_pairs
+            a_bytes = pre_ctx * kvl + q_bytes
             c = a_flops * c_num / c_den if a_flops > 0 else 0.0
             mem = (a_bytes + mem_half) / m_den if a_bytes > 0 else 0.0
             if c > mem:
                 compute_s += c * r
             else:
                 memory_s += mem * r
-            overhead_s += o
             flops += a_flops * L
             num_bytes += a_bytes * L
-            kernels += L
+        if dec_t is not None:
+            k_flops, kvl, q_bytes, mem_half, L, r, c_num, c_den, m_den = dec_t
+            a_flops = k_flops * dec_ctx
+            a_bytes = dec_ctx * kvl + q_bytes
+            c = a_flops * c_num / c_den if a_flops > 0 else 0.0
+            mem = (a_bytes + mem_half) / m_den if a_bytes > 0 else 0.0
+            if c > mem:
+                compute_s += c * r
+            else:
+                memory_s += mem * r
+            flops += a_flops * L
+            num_bytes += a_bytes * L
         compute_s = reduce(add, post_c, compute_s)
         memory_s = reduce(add, post_m, memory_s)
-        overhead_s = reduce(add, post_o, overhead_s)
         flops = reduce(add, post_f, flops)
         num_bytes = reduce(add, post_b, num_bytes)
-        if sampled:
-            lm = self._lm_memo.get(sampled)
-            if lm is None:
-                lm = self._lm_terms(sampled)
-            to_c, v, o, f, b, k = lm
+        if lm is not None:
+            to_c, v, f, b = lm
             if to_c:
                 compute_s += v
             else:
                 memory_s += v
-            overhead_s += o
             flops += f
             num_bytes += b
-            kernels += k
-        launch = eng.launch_s(num_seqs, tokens, kernels)
+        eng = self.engine
         if eng.overlap:
             gpu_s = compute_s + memory_s + overhead_s + comm_s
             busy = gpu_s if gpu_s >= launch else launch
@@ -538,6 +531,54 @@ class CostModel:
             gpu_s = compute_s + memory_s + (overhead_s - work) + comm_s
             overhead_s += (launch - gpu_s if launch > gpu_s else 0.0) + eng.sync_s
         return StepBreakdown(compute_s, memory_s, overhead_s, comm_s, 0.0, flops, num_bytes)
+
+    def _tally_fixed(self, key: tuple[int, int, int, int, int]) -> tuple:
+        """:meth:`step_tallied`'s values that depend on (sequences, tokens, sampled, prompt-chunk tokens,
+        decodes) only, each computed as it did: the operators before attention, the overhead summed in its
+        order (their latencies, the attention kernels', those after, the LM head's), the attention factors, the
+        lists summed after attention, the LM head's terms, the launch time (memoised)."""
+        num_seqs, tokens, sampled, pre_tokens, dec_seqs = key
+        memo = self._tally_memo
+        if len(memo) >= STEP_MEMO_MAX:
+            memo.clear()
+        terms = self._step_memo.get(tokens)
+        if terms is None:
+            terms = self._terms_of(tokens)
+        c_pre, m_pre, o_pre, f_pre, b_pre, o_pre_seq, post, kernels, comm_s, at = terms
+        post_c, post_m, post_o, post_f, post_b = post
+        hw, eng = self.gpu, self.engine
+        work = eng.host_work_s(hw, num_seqs, tokens, self.tp)
+        # a serial engine's overhead starts from its host work, so its latencies are added one by one
+        overhead_s = o_pre if eng.overlap else reduce(add, o_pre_seq, work + self._gaps_s)
+        L = self.model.num_layers
+        m, dt = self.model, self._dt
+        hd, heads_r, kvl, q_r = m.head_dim, self._heads_r, self._kv_token_layer_bytes, self._q_r
+        T = float(tokens)
+        attn = []
+        for name, size in (("attn_prefill", pre_tokens), ("attn_decode", dec_seqs)):
+            if not size:
+                attn.append(None)
+                continue
+            r, c_num, c_den, m_den, o = self._attn_terms(name, size, at, T)
+            attn.append((4.0 * hd * heads_r, kvl, 2.0 * size * q_r * dt, hw.memory_half_bytes, L, r, c_num, c_den,
+                         m_den))  # fmt: skip
+            overhead_s += o
+            kernels += L
+        overhead_s = reduce(add, post_o, overhead_s)
+        lm = None
+        if sampled:
+            lm_t = self._lm_memo.get(sampled)
+            if lm_t is None:
+                lm_t = self._lm_terms(sampled)
+            to_c, v, o, f, b, k = lm_t
+            lm = (to_c, v, f, b)
+            overhead_s += o
+            kernels += k
+        launch = eng.launch_s(num_seqs, tokens, kernels)
+        fx = (c_pre, m_pre, f_pre, b_pre, overhead_s, work, attn[0], attn[1], post_c, post_m, post_f, post_b, lm,
+              launch, comm_s)  # fmt: skip
+        memo[key] = fx
+        return fx
 
     def _op_terms(self, op: OpCount, at: dict[str, float] | None, step_tokens: float) -> tuple:
         """What one operator adds to a step (:meth:`_step_plain`'s loop body): (to compute_s?, the roofline
