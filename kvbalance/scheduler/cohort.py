@@ -8,14 +8,16 @@ them as a cohort — counts and one context sum in the plan (``BatchPlan.cohort_
 and touches a member only at its events, in the running order the step-by-step path meets them:
 
 * it needs a new block (every ``block_size`` steps: members are bucketed by their step residue),
-* it fills a block (publish it in the prefix cache, after writing its tokens so far),
+* it fills a block (its publication in the prefix cache is noted with the tick it would take and done when
+  anything reads that part of the cache, ``KVCacheManager.defer_full_block``; or done now, tokens written first),
 * it reaches ``max_tokens`` (known when it joins),
 * it is preempted, or anything outside reads or changes the scheduler's requests: :meth:`settle` writes every
   member's tokens, token times and computed tokens (``Instance.load``, aborts, invariant checks call it).
 
-A request joins when it samples and is eligible; after a settle everyone rejoins at their next sample. A step
-whose decodes exceed the token budget, or whose new blocks might need a preemption, settles first and runs
-the step-by-step logic for everyone (the same code with an empty cohort). The result is the step-by-step
+A request joins when it samples and is eligible. A step whose decodes exceed the token budget, or whose new
+blocks might need a preemption, dissolves the cohort first and runs the step-by-step logic for everyone (the
+same code with an empty cohort); they rejoin at their next sample. Steps that are the cohort's alone (nothing
+waits, no one prefills) run without a plan (:meth:`cohort_run`, from ``Instance.cohort_run``). The result is the step-by-step
 path's, bit for bit: same plans' shapes and times, same block ids, cache publications and frees in the same
 order, same tokens and token times (tests/test_decode_cohort.py).
 
