@@ -379,9 +379,17 @@ class Cluster:
 
 
 def sim_member(
-    index: int, role: Role, gpus: tuple[int, ...], sim: SimulateConfig, name: str | None = None
+    index: int,
+    role: Role,
+    gpus: tuple[int, ...],
+    sim: SimulateConfig,
+    name: str | None = None,
+    cost_models: dict | None = None,
 ) -> Member:
-    """A member on the cost model: ``sim``'s instance with ``tp = len(gpus)`` and the cluster's connector."""
-    inst, _ = build_sim_instance(sim.model_copy(update={"tp": len(gpus)}), ClusterConnector(None, role))
+    """A member on the cost model: ``sim``'s instance with ``tp = len(gpus)`` and the cluster's connector.
+    ``cost_models``: shared with the other members (``build_sim_instance``)."""
+    inst, _ = build_sim_instance(
+        sim.model_copy(update={"tp": len(gpus)}), ClusterConnector(None, role), cost_models
+    )
     inst.name = name or f"{role}-{index}"
     return Member(index, role, tuple(gpus), inst)
