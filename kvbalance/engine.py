@@ -71,6 +71,33 @@ class DecodeRunStep:
     num_decode_seqs: int
 
 
+class StepColumns:
+    """Steps as a step hook that only records sees them, as columns: each step's start, duration and batch
+    tokens, and the running and waiting requests and the KV tokens in use after it."""
+
+    __slots__ = ("starts_s", "durations_s", "batch_tokens", "running", "waiting", "kv_used_tokens")
+
+    def __init__(self) -> None:
+        self.starts_s: list[float] = []
+        self.durations_s: list[float] = []
+        self.batch_tokens: list[int] = []
+        self.running: list[int] = []
+        self.waiting: list[int] = []
+        self.kv_used_tokens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.starts_s)
+
+    def add(self, start_s: float, duration_s: float, batch_tokens: int, running: int, waiting: int,
+            kv_used_tokens: int) -> None:  # fmt: skip
+        self.starts_s.append(start_s)
+        self.durations_s.append(duration_s)
+        self.batch_tokens.append(batch_tokens)
+        self.running.append(running)
+        self.waiting.append(waiting)
+        self.kv_used_tokens.append(kv_used_tokens)
+
+
 class RunStepResult:
     """The result of one step of a cohort run, as far as step hooks read it (its duration)."""
 
@@ -347,7 +374,7 @@ class Instance:
         horizon_s: float,
         on_step: Callable[[StepOutcome, float], None],
         on_finish: Callable[[Request], None],
-        on_steps: Callable[..., None] | None = None,
+        columns: StepColumns | None = None,
     ) -> float:
         """Run the steps from ``now`` that are the decode cohort's alone (``Scheduler.cohort_run_ready``), each
         exactly as :meth:`step` then :meth:`complete` would (same blocks, tokens, times, counters), without a
@@ -358,14 +385,13 @@ class Instance:
         ``DecodeRunStep``, ``outcome.result`` a ``RunStepResult``: counts and duration only), then ``on_finish``
         each request it finished. Returns the time reached.
 
-        With ``on_steps`` (a recorder), the run's steps go to it at the end instead, as columns:
-        ``on_steps(starts_s, durations_s, batch_tokens, running, waiting, kv_used_tokens)`` (``running`` etc.:
-        the counts after each step, what a hook reads then), before ``on_finish`` gets the finished requests."""
+        With ``columns``, the run's steps are added there instead of going to ``on_step`` (for a hook that only
+        records), and ``on_finish`` gets the finished requests at the end."""
         if self.elastic is not None or self.failed:
             return now
         ex = self.executor
-        if on_steps is not None:
-            return self._cohort_run_recorded(now, horizon_s, on_finish, on_steps)
+        if columns is not None:
+            return self._cohort_run_recorded(now, horizon_s, on_finish, columns)
         shapes = self._run_shapes
 
         def step_done(start_s: float, d: float, n: int, finished: list[Request]) -> None:
@@ -387,33 +413,27 @@ class Instance:
         now: float,
         horizon_s: float,
         on_finish: Callable[[Request], None],
-        on_steps: Callable[..., None],
+        cols: StepColumns,
     ) -> float:
         ex, sched, kv = self.executor, self.scheduler, self.kv
-        starts: list[float] = []
-        durations: list[float] = []
-        tokens: list[int] = []
-        running: list[int] = []
-        kv_used: list[int] = []
+        first = len(cols)
+        add = cols.add
         done: list[Request] = []
 
         def step_done(start_s: float, d: float, n: int, finished: list[Request]) -> None:
-            starts.append(start_s)
-            durations.append(d)
-            tokens.append(n)
-            running.append(len(sched.running))
-            kv_used.append(kv.kv_used_tokens)
+            add(start_s, d, n, len(sched.running), len(sched.waiting), kv.kv_used_tokens)
             if finished:
                 done.extend(finished)
 
         t = sched.cohort_run(now, horizon_s, ex.decode_step_fn, step_done)
-        if durations:
-            for d in durations:  # the same sums, in the same order, as step by step
+        durations = cols.durations_s
+        if len(durations) > first:
+            for i in range(first, len(durations)):  # the same sums, in the same order, as step by step
+                d = durations[i]
                 ex.note_step(d)
                 self.busy_s += d
-            self.num_steps += len(durations)
-            self.cohort_run_steps += len(durations)
-            on_steps(starts, durations, tokens, running, [len(sched.waiting)] * len(durations), kv_used)
+            self.num_steps += len(durations) - first
+            self.cohort_run_steps += len(durations) - first
             for req in done:
                 on_finish(req)
         return t

@@ -23,7 +23,7 @@ from kvbalance.cluster.member import ROLES, ClusterRun, Member, Role, gpu_name  
 from kvbalance.cluster.monitor import UtilizationMonitor
 from kvbalance.cluster.routers import Router, build_router
 from kvbalance.cluster.topology import Topology
-from kvbalance.engine import InstanceLoad, StepOutcome
+from kvbalance.engine import InstanceLoad, StepColumns, StepOutcome
 from kvbalance.executor.sim import decode_runs_enabled, fast_paths_enabled
 from kvbalance.kvcache.store import GlobalKVStore
 from kvbalance.request import Request, RequestState
@@ -289,14 +289,15 @@ class Cluster:
         return on_step
 
     def _steps_recorder(self, m: Member) -> Callable:
-        """The step hook's recording, for a cohort run's steps as columns (``Instance.cohort_run``)."""
+        """The step hook's recording, for steps run ahead as columns (``StepColumns``)."""
         tl = m.timeline
         cap = m.instance.kv_capacity_tokens
 
-        def on_steps(starts, durations, tokens, running, waiting, kv_used) -> None:
-            m.step_starts_s.extend(starts)
-            m.step_durations_s.extend(durations)
-            tl.record_steps(starts, running, waiting, kv_used, cap, tokens, durations)
+        def on_steps(cols: StepColumns) -> None:
+            m.step_starts_s.extend(cols.starts_s)
+            m.step_durations_s.extend(cols.durations_s)
+            tl.record_steps(cols.starts_s, cols.running, cols.waiting, cols.kv_used_tokens, cap,
+                            cols.batch_tokens, cols.durations_s)  # fmt: skip
 
         return on_steps
 

@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvbalance.engine import Instance, StepOutcome
+from kvbalance.engine import Instance, StepColumns, StepOutcome
 from kvbalance.executor.sim import decode_runs_enabled, fast_paths_enabled
 from kvbalance.request import Request, RequestState
 
@@ -110,9 +110,9 @@ class InstanceDriver:
         self.on_finish = on_finish
         self.horizon = horizon
         self.ahead = ahead
-        self.on_steps = (
-            on_steps  # a recorder of a cohort run's steps as columns (Instance.cohort_run), or None
-        )
+        # with ``ahead``: a recorder of steps as columns (``StepColumns``), called once per event, instead of
+        # ``on_step`` for the steps run ahead (for an ``on_step`` that only records)
+        self.on_steps = on_steps
         self.run_end_s = -math.inf  # end of the last decode run simulated ahead of the clock
         self.decode_run_steps = 0
 
@@ -157,30 +157,39 @@ class InstanceDriver:
                 on_finish(req)
 
         cohort = inst.scheduler.cohort_size is not None
-        while True:
-            if cohort:
-                t_run = inst.cohort_run(t, horizon, run_step, run_finish, self.on_steps)
-                if t_run != t:
+        cols = StepColumns() if self.on_steps is not None else None
+        sched = inst.scheduler
+        try:
+            while True:
+                if cohort:
+                    t_run = inst.cohort_run(t, horizon, run_step, run_finish, cols)
+                    if t_run != t:
+                        self.busy = True
+                        self.run_end_s = t = t_run
+                outcome = inst.step(t)
+                if outcome is None:
+                    self.busy = False
+                    return
+                end = t + outcome.result.duration_s
+                if not end < horizon:  # the step's end is an event of its own, after what comes before it
                     self.busy = True
-                    self.run_end_s = t = t_run
-            outcome = inst.step(t)
-            if outcome is None:
-                self.busy = False
-                return
-            end = t + outcome.result.duration_s
-            if not end < horizon:  # the step's end is an event of its own, after what comes before it
+                    self.loop.at_quiet(end, self._done, outcome)
+                    return
                 self.busy = True
-                self.loop.at_quiet(end, self._done, outcome)
-                return
-            self.busy = True
-            self.run_end_s = end
-            finished = inst.complete(outcome, end)
-            if on_step:
-                on_step(self, outcome, end)
-            if on_finish:
-                for req in finished:
-                    on_finish(req)
-            t = end
+                self.run_end_s = end
+                finished = inst.complete(outcome, end)
+                if cols is not None:
+                    cols.add(outcome.start_s, outcome.result.duration_s, outcome.plan.num_tokens,
+                             sched.num_running, sched.num_waiting, sched.kv_used_tokens)  # fmt: skip
+                elif on_step:
+                    on_step(self, outcome, end)
+                if on_finish:
+                    for req in finished:
+                        on_finish(req)
+                t = end
+        finally:
+            if cols:
+                self.on_steps(cols)
 
     def _run_step(self, outcome: StepOutcome, end_s: float) -> None:
         self.decode_run_steps += 1
