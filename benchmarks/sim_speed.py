@@ -12,11 +12,15 @@ vLLM's least-loaded router, Poisson at 100 req/s (about 70% of the cluster's SLO
 
 Times are CPU seconds of this process (``time.process_time``; the machine is shared), per phase: building
 the requests, building the cluster, the event loop, the summary. ``--fast off`` runs with the exact fast
-paths off (``KVBALANCE_SIM_FAST=0``: no step-shape cache, no decode runs), for the before/after ratio; both
-give the same summary bit for bit (checked in tests/test_search_speed.py). ``--profile`` adds a cProfile
-breakdown of the event loop by package. Writes benchmarks/results/sim_speed/<setup>.json.
+paths off (``KVBALANCE_SIM_FAST=0``: no step-shape cache, decode cohort, runs ahead of the clock, lazy block
+hashes or deferred publication), for the before/after ratio; both give the same summary bit for bit (checked in
+tests/test_search_speed.py and tests/test_decode_cohort.py). ``--profile`` adds a cProfile
+breakdown of the event loop by package. ``--prefix-caching off`` runs without the prefix cache (Vidur models
+none; on, SHA-256-named as vLLM V1's, is the default). Writes benchmarks/results/sim_speed/<setup>.json
+(``-fast-off``, ``-no-prefix-cache`` suffixes for the variants).
 
-Run: .venv/bin/python benchmarks/sim_speed.py [vidur|cluster16] [--requests N] [--fast on|off] [--profile]
+Run: .venv/bin/python benchmarks/sim_speed.py [vidur|cluster16] [--requests N] [--fast on|off]
+     [--prefix-caching on|off] [--profile]
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("setup", nargs="?", default="vidur", choices=["vidur", "cluster16"])
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--fast", choices=["on", "off"], default="on")
+    ap.add_argument("--prefix-caching", choices=["on", "off"], default="on")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "sim_speed"))
     args = ap.parse_args(argv)
@@ -101,6 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
     from kvbalance.cluster.config import build_cluster, run_cluster  # noqa: F401 (imported before timing)
 
     sim, ccfg, make_requests, n = setup(args.setup, args.requests)
+    if args.prefix_caching == "off":
+        sim = sim.model_copy(update={"enable_prefix_caching": False})
     t0, w0 = time.process_time(), time.perf_counter()
     reqs = make_requests()
     t1 = time.process_time()
@@ -123,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {
         "setup": args.setup,
         "fast_paths": args.fast,
+        "prefix_caching": args.prefix_caching,
         "num_requests": n,
         "instances": ccfg.describe(),
         "model": sim.model,
@@ -149,7 +157,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{k:>28}: {v}")
     dest = Path(args.out)
     dest.mkdir(parents=True, exist_ok=True)
-    suffix = "" if args.fast == "on" else "-fast-off"
+    suffix = ("" if args.fast == "on" else "-fast-off") + (
+        "" if args.prefix_caching == "on" else "-no-prefix-cache"
+    )
     (dest / f"{args.setup}{suffix}.json").write_text(json.dumps(out, indent=2) + "\n")
     return out
 

@@ -55,16 +55,23 @@ class KVTransfer:
 
 @dataclass
 class BatchPlan:
-    """What one step computes. ``seqs`` lists decodes first, then prefill chunks."""
+    """What one step computes. ``seqs`` lists decodes first, then prefill chunks.
+
+    ``cohort_seqs`` decodes more, not listed in ``seqs``: the scheduler's decode cohort (a simulator fast
+    path, ``scheduler/cohort.py``), each computing one token and sampling, their contexts after the step
+    summing to ``cohort_context``; only an executor that takes them (``SimExecutor``) ever sees a plan with
+    them (0 otherwise)."""
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     block_size: int = 16
     kv_loads: list[KVTransfer] = field(default_factory=list)
     kv_saves: list[KVTransfer] = field(default_factory=list)
+    cohort_seqs: int = 0
+    cohort_context: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs)
+        return sum(s.num_new_tokens for s in self.seqs) + self.cohort_seqs
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -72,15 +79,15 @@ class BatchPlan:
 
     @property
     def num_decode_seqs(self) -> int:
-        return sum(1 for s in self.seqs if not s.is_prefill)
+        return sum(1 for s in self.seqs if not s.is_prefill) + self.cohort_seqs
 
     @property
     def num_sampled(self) -> int:
-        return sum(1 for s in self.seqs if s.sample)
+        return sum(1 for s in self.seqs if s.sample) + self.cohort_seqs
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.kv_loads and not self.kv_saves
+        return not self.seqs and not self.cohort_seqs and not self.kv_loads and not self.kv_saves
 
 
 @dataclass

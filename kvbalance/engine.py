@@ -71,6 +71,42 @@ class DecodeRunStep:
     num_decode_seqs: int
 
 
+class StepColumns:
+    """Steps as a step hook that only records sees them, as columns: each step's start, duration and batch
+    tokens, and the running and waiting requests and the KV tokens in use after it."""
+
+    __slots__ = ("starts_s", "durations_s", "batch_tokens", "running", "waiting", "kv_used_tokens")
+
+    def __init__(self) -> None:
+        self.starts_s: list[float] = []
+        self.durations_s: list[float] = []
+        self.batch_tokens: list[int] = []
+        self.running: list[int] = []
+        self.waiting: list[int] = []
+        self.kv_used_tokens: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.starts_s)
+
+    def add(self, start_s: float, duration_s: float, batch_tokens: int, running: int, waiting: int,
+            kv_used_tokens: int) -> None:  # fmt: skip
+        self.starts_s.append(start_s)
+        self.durations_s.append(duration_s)
+        self.batch_tokens.append(batch_tokens)
+        self.running.append(running)
+        self.waiting.append(waiting)
+        self.kv_used_tokens.append(kv_used_tokens)
+
+
+class RunStepResult:
+    """The result of one step of a cohort run, as far as step hooks read it (its duration)."""
+
+    __slots__ = ("duration_s",)
+
+    def __init__(self, duration_s: float) -> None:
+        self.duration_s = duration_s
+
+
 @dataclass
 class StepOutcome:
     plan: BatchPlan
@@ -106,6 +142,8 @@ class Instance:
         self.max_context = max_context
         self.num_steps = 0
         self.busy_s = 0.0
+        self.cohort_run_steps = 0  # of num_steps, those run by cohort_run (no plan)
+        self._run_shapes: dict[int, DecodeRunStep] = {}  # cohort_run's plan stand-ins, per member count
         # a request must fit the pool it can always count on (lent blocks may be reclaimed)
         self.max_request_blocks = (
             num_blocks if elastic is not None and elastic.mode == "elastic" else self.pool.num_blocks
@@ -167,6 +205,7 @@ class Instance:
     def load(self) -> InstanceLoad:
         """A typed snapshot of what this instance holds and still has to do (O(requests))."""
         sched = self.scheduler
+        sched.settle()  # the decode cohort's requests written up to now
         prefill = decode = remaining = 0
         for r in sched.running:
             prompt_left = r.num_prompt_tokens - r.num_computed_tokens
@@ -199,6 +238,19 @@ class Instance:
             external_hit_tokens=sched.external_hit_tokens,
             prefix_token_mismatches=self.cache.num_token_mismatches if self.cache is not None else 0,
         )
+
+    def enable_decode_cohort(self) -> bool:
+        """Run this instance's plain decodes as a cohort (``scheduler/cohort.py``: a step costs O(prefill
+        sequences + block events), the result bit for bit the step-by-step one) if the executor takes cohort
+        plans (``supports_decode_runs``) and there is no elastic reserve; returns whether it is on. For a
+        caller where nothing reads running requests between steps but through this instance (``load``,
+        ``abort``, ``finish_request``, ``check_invariants`` bring them up to date)."""
+        ex = self.executor
+        if self.elastic is not None or not getattr(ex, "supports_decode_runs", False):
+            return False
+        self.scheduler.enable_cohort(ex.decode_tokens)
+        self.kv.enable_lazy_hashes()
+        return True
 
     # -- stepping -----------------------------------------------------------------
     def step(self, now: float) -> StepOutcome | None:
@@ -314,6 +366,76 @@ class Instance:
             return None
         for i, r in enumerate(reqs):
             self._catch_up(r, c0[i], done, i, len(ends), ends)
+        return t
+
+    def cohort_run(
+        self,
+        now: float,
+        horizon_s: float,
+        on_step: Callable[[StepOutcome, float], None],
+        on_finish: Callable[[Request], None],
+        columns: StepColumns | None = None,
+    ) -> float:
+        """Run the steps from ``now`` that are the decode cohort's alone (``Scheduler.cohort_run_ready``), each
+        exactly as :meth:`step` then :meth:`complete` would (same blocks, tokens, times, counters), without a
+        plan: per step, the cost model's time from the cohort's two sums (``decode_step_fn``) and the members'
+        block events. Stops before a step that would end at or after ``horizon_s`` (the caller's next event
+        that can read or change this instance), one whose new blocks might need a preemption, and when the next
+        step is no longer the cohort's alone. ``on_step(outcome, end_s)`` gets each step (``outcome.plan`` is a
+        ``DecodeRunStep``, ``outcome.result`` a ``RunStepResult``: counts and duration only), then ``on_finish``
+        each request it finished. Returns the time reached.
+
+        With ``columns``, the run's steps are added there instead of going to ``on_step`` (for a hook that only
+        records), and ``on_finish`` gets the finished requests at the end."""
+        if self.elastic is not None or self.failed:
+            return now
+        ex = self.executor
+        if columns is not None:
+            return self._cohort_run_recorded(now, horizon_s, on_finish, columns)
+        shapes = self._run_shapes
+
+        def step_done(start_s: float, d: float, n: int, finished: list[Request]) -> None:
+            ex.note_step(d)
+            self.num_steps += 1
+            self.cohort_run_steps += 1
+            self.busy_s += d
+            plan = shapes.get(n)
+            if plan is None:
+                plan = shapes[n] = DecodeRunStep(n, n)
+            on_step(StepOutcome(plan, RunStepResult(d), start_s), start_s + d)
+            for req in finished:
+                on_finish(req)
+
+        return self.scheduler.cohort_run(now, horizon_s, ex.decode_step_fn, step_done)
+
+    def _cohort_run_recorded(
+        self,
+        now: float,
+        horizon_s: float,
+        on_finish: Callable[[Request], None],
+        cols: StepColumns,
+    ) -> float:
+        ex, sched, kv = self.executor, self.scheduler, self.kv
+        first = len(cols)
+        add = cols.add
+        done: list[Request] = []
+
+        def step_done(start_s: float, d: float, n: int, finished: list[Request]) -> None:
+            add(start_s, d, n, len(sched.running), len(sched.waiting), kv.kv_used_tokens)
+            if finished:
+                done.extend(finished)
+
+        t = sched.cohort_run(now, horizon_s, ex.decode_step_fn, step_done)
+        durations = cols.durations_s
+        if len(durations) > first:
+            for i in range(first, len(durations)):  # the same sums, in the same order, as step by step
+                d = durations[i]
+                ex.note_step(d)
+                self.busy_s += d
+            self.num_steps += len(durations) - first
+            self.cohort_run_steps += len(durations) - first
+            for req in done:
+                on_finish(req)
         return t
 
     def _catch_up(self, req: Request, c0: int, done: list[int], i: int, j: int, ends: list[float]) -> None:

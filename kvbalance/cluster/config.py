@@ -168,9 +168,11 @@ def build_cluster(sim: SimulateConfig, cfg: ClusterConfig, *, check_invariants: 
         sim = sim.model_copy(update=over)
     members = []
     gpu = 0
+    cost_models: dict = {}  # members of one model, GPU and TP share a cost model (and its memos)
     for group in cfg.instances:
         for _ in range(group.count):
-            members.append(sim_member(len(members), group.role, tuple(range(gpu, gpu + group.tp)), sim))
+            gpus = tuple(range(gpu, gpu + group.tp))
+            members.append(sim_member(len(members), group.role, gpus, sim, cost_models=cost_models))
             gpu += group.tp
     topo = Topology.build(sim.gpu, gpu, cfg.gpus_per_node, cfg.inter_node_link)
     store = None

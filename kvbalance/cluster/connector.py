@@ -63,6 +63,13 @@ class ClusterConnector:
         elif num_external_tokens > 0:
             self.cluster.store.start_fetch(self.member, request, num_external_tokens)
 
+    @property
+    def passive(self) -> bool:
+        """Whether this connector does nothing per step (no P/D hand-off, no store): a scheduler may then run
+        steps without telling it (the decode cohort's runs)."""
+        c = self.cluster
+        return c is not None and c.pd is None and c.store is None
+
     def build_connector_meta(self, plan: BatchPlan) -> None:
         # transfers are timed on the cluster's links, not inside the step; a real member's saves to the
         # store need the block tables as planned

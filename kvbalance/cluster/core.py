@@ -11,6 +11,7 @@ one ``InstanceDriver`` per member), so the same seed gives the same run bit for 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -22,8 +23,8 @@ from kvbalance.cluster.member import ROLES, ClusterRun, Member, Role, gpu_name  
 from kvbalance.cluster.monitor import UtilizationMonitor
 from kvbalance.cluster.routers import Router, build_router
 from kvbalance.cluster.topology import Topology
-from kvbalance.engine import InstanceLoad, StepOutcome
-from kvbalance.executor.sim import decode_runs_enabled
+from kvbalance.engine import InstanceLoad, StepColumns, StepOutcome
+from kvbalance.executor.sim import decode_runs_enabled, fast_paths_enabled
 from kvbalance.kvcache.store import GlobalKVStore
 from kvbalance.request import Request, RequestState
 from kvbalance.sim.loop import EventLoop, InstanceDriver
@@ -137,15 +138,46 @@ class Cluster:
         self._arrivals: list[float] = []  # pending arrival times (a heap): the members' horizon
         outside = (self.pd, self.store, self.monitor, self.llumnix)
         runs = decode_runs_enabled() and not check_invariants and all(x is None for x in outside)
+        # the decode cohort (scheduler/cohort.py, exact) where nothing else reads a member's running requests
+        cohort = (
+            fast_paths_enabled() and not runs and not check_invariants and all(x is None for x in outside)
+        )
         self._running = False
+        self._arrival_times: list[float] = []  # pending and past arrival times, sorted
+        self._arrived = 0  # arrivals routed so far
         for m in self.members:
             m.driver = InstanceDriver(
                 self.loop, m.instance, on_step=self._step_hook(m), on_finish=self._finish_hook(m),
                 horizon=self._next_arrival_s if runs else None,
             )  # fmt: skip
+            # a member runs ahead of the clock to its own next arrival where the router says which that is
+            # without reading loads (round robin) and nothing is called back on finishes
+            if cohort and m.instance.enable_decode_cohort() and on_finish is None and m.role == "colocated":
+                m.driver.ahead = self._own_arrival_s(m)
+                if self.migration is None and self.llumnix is None:  # the step hook only records
+                    m.driver.on_steps = self._steps_recorder(m)
 
     def _next_arrival_s(self) -> float:
         return self._arrivals[0] if self._arrivals else math.inf
+
+    def _own_arrival_s(self, m: Member) -> Callable[[], float]:
+        """The time of the next arrival routed to ``m`` (the next arrival's where the router cannot say), or of
+        the next loud event on the loop (``EventLoop.at``: a test's abort, a controller) if that comes first."""
+        times = self._arrival_times
+        loop = self.loop
+
+        def horizon() -> float:
+            fronts = self.frontends
+            k = self.router.arrivals_elsewhere(fronts.index(m), len(fronts)) if m in fronts else None
+            if k is None:
+                own = self._next_arrival_s()
+            else:
+                j = self._arrived + k
+                own = times[j] if j < len(times) else math.inf
+            loud = loop.next_loud_time()
+            return own if own < loud else loud
+
+        return horizon
 
     # -- roles ------------------------------------------------------------------
     def _refresh_roles(self) -> None:
@@ -207,6 +239,7 @@ class Cluster:
     # -- events -----------------------------------------------------------------
     def _arrive(self, req: Request) -> None:
         heapq.heappop(self._arrivals)
+        self._arrived += 1
         i = self.router.choose(req, self.loads(self.frontends))
         m = self.frontends[i]
         self.assignment[req.request_id] = m.index
@@ -254,6 +287,19 @@ class Cluster:
                 self.check_member(m)
 
         return on_step
+
+    def _steps_recorder(self, m: Member) -> Callable:
+        """The step hook's recording, for steps run ahead as columns (``StepColumns``)."""
+        tl = m.timeline
+        cap = m.instance.kv_capacity_tokens
+
+        def on_steps(cols: StepColumns) -> None:
+            m.step_starts_s.extend(cols.starts_s)
+            m.step_durations_s.extend(cols.durations_s)
+            tl.record_steps(cols.starts_s, cols.running, cols.waiting, cols.kv_used_tokens, cap,
+                            cols.batch_tokens, cols.durations_s)  # fmt: skip
+
+        return on_steps
 
     def _finish_hook(self, m: Member) -> Callable:
         def on_finish(req: Request) -> None:
@@ -305,11 +351,12 @@ class Cluster:
 
     def submit(self, req: Request) -> None:
         ahead = max(m.driver.run_end_s for m in self.members) if self._running else -math.inf
-        if req.arrival_s < ahead:
+        if req.arrival_s < ahead:  # a decode run or a run ahead (``InstanceDriver.ahead``) passed it
             raise ValueError(f"arrival_s: {req.request_id} at {req.arrival_s} falls inside a decode run already "
                              f"simulated (to {ahead}); submit arrivals before run(), or unset KVBALANCE_SIM_DECODE_RUNS")  # fmt: skip
-        self.loop.at(req.arrival_s, self._arrive, req)
+        self.loop.at_quiet(req.arrival_s, self._arrive, req)  # the members' horizons account for arrivals
         heapq.heappush(self._arrivals, req.arrival_s)
+        bisect.insort(self._arrival_times, req.arrival_s)
 
     def run(self, requests: Sequence[Request]) -> ClusterRun:
         reqs = list(requests)
@@ -334,9 +381,17 @@ class Cluster:
 
 
 def sim_member(
-    index: int, role: Role, gpus: tuple[int, ...], sim: SimulateConfig, name: str | None = None
+    index: int,
+    role: Role,
+    gpus: tuple[int, ...],
+    sim: SimulateConfig,
+    name: str | None = None,
+    cost_models: dict | None = None,
 ) -> Member:
-    """A member on the cost model: ``sim``'s instance with ``tp = len(gpus)`` and the cluster's connector."""
-    inst, _ = build_sim_instance(sim.model_copy(update={"tp": len(gpus)}), ClusterConnector(None, role))
+    """A member on the cost model: ``sim``'s instance with ``tp = len(gpus)`` and the cluster's connector.
+    ``cost_models``: shared with the other members (``build_sim_instance``)."""
+    inst, _ = build_sim_instance(
+        sim.model_copy(update={"tp": len(gpus)}), ClusterConnector(None, role), cost_models
+    )
     inst.name = name or f"{role}-{index}"
     return Member(index, role, tuple(gpus), inst)

@@ -145,6 +145,11 @@ class SimExecutor:
         compute_s = breakdown_total_s(self.cost_model.decode_step(num_seqs, context_sum))
         return compute_s + max(0.0, 0.0 - compute_s)  # execute()'s arithmetic with nothing to transfer
 
+    def decode_step_fn(self, num_seqs: int):
+        """``context_sum -> decode_step_s(num_seqs, context_sum)``, the same value, with what does not depend on
+        the context sum done once (``CostModel.decode_step_fn``): for runs of cohort-only steps."""
+        return self.cost_model.decode_step_fn(num_seqs)
+
     def note_step(self, duration_s: float) -> None:
         """Account one step run outside :meth:`execute` (a decode run's)."""
         self.num_steps += 1

@@ -181,7 +181,16 @@ def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
         return tokens.astype("<i8", copy=False).tobytes()
     if not isinstance(tokens, (list, tuple)):
         tokens = list(tokens)
-    return struct.pack(f"<{len(tokens)}q", *tokens)
+    n = len(tokens)
+    packer = _PACKERS.get(n)
+    if packer is None:
+        packer = struct.Struct(f"<{n}q")
+        if len(_PACKERS) < 256:
+            _PACKERS[n] = packer
+    return packer.pack(*tokens)
+
+
+_PACKERS: dict[int, struct.Struct] = {}  # token_bytes' packers per token count (one block's, a few chunks')
 
 
 def _salt_bytes(salt: str | bytes) -> bytes:

@@ -31,8 +31,11 @@ from kvbalance.request import Request
 
 def _token_bytes(req: Request, start: int, end: int) -> bytes:
     """``token_bytes`` of the request's tokens ``[start, end)`` (prompt tokens straight from the prompt)."""
-    if end <= req.num_prompt_tokens:
+    n = req._num_prompt
+    if end <= n:
         return token_bytes(req.prompt_token_ids[start:end])
+    if start >= n:  # output tokens only (a decode's block)
+        return token_bytes(req.output_token_ids[start - n : end - n])
     return token_bytes(req.token_ids(start, end))
 
 
@@ -59,6 +62,22 @@ class KVCacheManager:
         # request id -> (deepest locked cache node, blocks of the request covered by that path)
         self._paths: dict[str, tuple[RadixNode, int]] = {}
         self._hashes: dict[str, list[int]] = {}  # request id -> its chained block hashes so far
+        self._lazy = False  # enable_lazy_hashes
+        self._deferred: dict[
+            str, list
+        ] = {}  # request id -> [its leaf, blocks filled, tick]: defer_full_block
+
+    def enable_lazy_hashes(self) -> bool:
+        """Hash blocks only where a lookup needs them (a simulator fast path; exact: the same hits, the same
+        cache, a lazy node's hashes computed on demand are the values an eager insert stores). A request's
+        first block is hashed at admission; a miss there, and blocks published onto a leaf only its request
+        uses, hash nothing more. For the cryptographic hashes (a poly64 hash depends on the block's index,
+        which a node does not know). Returns whether it is on."""
+        if self.cache is None or not self.hasher.cryptographic:
+            return False
+        self._lazy = True
+        self.cache.hasher = self.hasher
+        return True
 
     # -- sizes ----------------------------------------------------------------------------------
     @property
@@ -95,6 +114,11 @@ class KVCacheManager:
         """The longest cached prefix of ``req`` (never its last token: that one is computed to sample)."""
         if self.cache is None:
             return NO_HIT
+        if self._lazy:  # the first block decides a miss: hash the rest only for a lookup that goes on
+            first = self.block_hashes(req, min(req.num_tokens - 1, self.block_size))
+            if not first or first[0] not in self.cache.root.children:
+                self.cache.match_prefix(first)  # the same miss as with every hash (it counts a tick)
+                return NO_HIT
         node, hit = self.cache.match_prefix(self.block_hashes(req, req.num_tokens - 1))
         if hit:  # the cached tokens must be the request's: a hash match alone is not enough
             node, hit = self.cache.verify_tokens(node, hit, _token_bytes(req, 0, hit * self.block_size))
@@ -122,9 +146,10 @@ class KVCacheManager:
             self.pool.incref(hit_blocks)
             self._paths[req.request_id] = (hit.node, hit.num_blocks)
         need = self.pool.blocks_for_tokens(num_tokens) - hit.num_blocks
-        if not self._ensure_free(need):  # cannot happen after can_admit
+        new = self._take(need)
+        if new is None:  # cannot happen after can_admit
             raise RuntimeError("block accounting: admission check passed but allocation failed")
-        req.block_ids = hit_blocks + self.pool.allocate(need)
+        req.block_ids = hit_blocks + new
 
     # -- growth -----------------------------------------------------------------------------------
     def _ensure_free(self, n: int) -> bool:
@@ -133,14 +158,49 @@ class KVCacheManager:
             self.cache.evict(short)
         return self.pool.num_free >= n
 
+    def _take(self, n: int) -> list[int] | None:
+        """:meth:`_ensure_free` then ``pool.allocate(n)``: the same blocks in the same order, the evicted ones
+        handed over with the cache's reference instead of freed and allocated again; None (what eviction freed
+        stays free) if they don't fit."""
+        pool = self.pool
+        short = n - pool.num_free
+        if short > 0 and self.cache is not None:
+            if type(pool) is BlockPool:
+                got = self.cache.evict_taking(short)
+                if len(got) < short:
+                    pool.free(got)
+                    return None
+                return pool.allocate(n - short) + got  # allocate(n) after the free: the free list's tail
+            self.cache.evict(short)
+        if pool.num_free < n:
+            return None
+        return pool.allocate(n)
+
     def allocate_slots(self, req: Request, num_tokens: int) -> bool:
         """Grow ``req``'s block table to hold ``num_tokens`` tokens; False (nothing changed) if they don't fit."""
         need = self.pool.blocks_for_tokens(num_tokens) - len(req.block_ids)
         if need <= 0:
             return True
-        if not self._ensure_free(need):
+        new = self._take(need)
+        if new is None:
             return False
-        req.block_ids.extend(self.pool.allocate(need))
+        req.block_ids.extend(new)
+        return True
+
+    def allocate_one(self, req: Request) -> bool:
+        """:meth:`allocate_slots` for a token count that needs exactly one more block (a decode at a block's
+        first position), the same eviction and allocation without the arithmetic."""
+        pool = self.pool
+        if pool.num_free < 1 and self.cache is not None:
+            if type(pool) is BlockPool:  # the evicted block, still referenced once, is the request's now
+                b = self.cache.take_lru_tail()
+                if b is not None:
+                    req.block_ids.append(b)
+                    return True
+            self.cache.evict(1)
+        if pool.num_free < 1:
+            return False
+        req.block_ids.extend(pool.allocate(1))
         return True
 
     def reserve(self, num_blocks: int, keep_available: int = 0) -> list[int] | None:
@@ -165,13 +225,34 @@ class KVCacheManager:
         full = req.num_computed_tokens // bs
         rid = req.request_id
         node, have = self._paths.get(rid) or (cache.root, 0)
+        if rid in self._deferred:
+            raise RuntimeError(f"{req}: blocks to publish first (defer_full_block)")
         if full <= have:
             return
         tokens = _token_bytes(req, have * bs, full * bs)  # what the cache keeps for the hit check
+        if self._lazy and have and not node.children and node.lock_ref == 1 and node.tokens is not None:
+            cache.grow_leaf(node, req.block_ids[have:full], tokens)  # the common case: a leaf of its own
+            self._paths[rid] = (node, full)
+            return
         hashes = self._hashes.get(rid)
         if hashes is None:
             hashes = self._hashes[rid] = []
         k = len(hashes)
+        if self._lazy and k < full:
+            lazy = False
+            if have == 0:  # a new child of the root: its key, the first block's hash, decides
+                if k == 0:
+                    hashes.extend(self.hasher.token_bytes_hashes(tokens[: 8 * bs], bs, 0, 0))
+                lazy = hashes[0] not in node.children
+            elif not node.children and node.lock_ref == 1 and node.tokens is not None:
+                lazy = True  # a leaf only this request uses grows in place: no lookup, no key
+            if lazy:
+                node, _ = cache.extend(node, have, hashes, req.block_ids, tokens, end=full)
+                self._paths[rid] = (node, full)
+                return
+            if k < have:  # the hashes the lookups below need, from the request's tokens
+                self.hasher.request_block_hashes(req, bs, have * bs, hashes)
+                k = len(hashes)
         if k < full:  # hash the blocks not hashed yet from the same bytes (blocks have..k are hashed)
             if k < have:
                 raise RuntimeError(f"{req}: its cached path covers blocks it has no hashes for")
@@ -181,13 +262,56 @@ class KVCacheManager:
         # where another request cached a block first, the cache keeps its copy and req keeps its own
         self._paths[rid] = (node, full)
 
+    def defer_full_block(self, req: Request, flush) -> bool:
+        """Instead of :meth:`cache_full_blocks` for a block ``req`` just filled, note it and publish it later
+        (``flush`` then: it brings ``req``'s tokens up to date and calls :meth:`publish_deferred`), the cache
+        ending exactly as if it had been published now; False (nothing done) unless ``req``'s cached path ends
+        at a leaf only it uses (lazy hashes on). Anything that reads that leaf or ``req``'s cached blocks first
+        publishes them: a lookup reaching the leaf, a split, :meth:`free`, :meth:`detach`, the checks."""
+        rid = req.request_id
+        d = self._deferred.get(rid)
+        cache = self.cache
+        if d is None:
+            path = self._paths.get(rid)
+            if not self._lazy or path is None:
+                return False
+            node = path[0]
+            if node.children or node.lock_ref != 1 or node.tokens is None:
+                return False
+            d = self._deferred[rid] = [node, 0, 0]
+            node.flush = flush
+        d[1] += 1
+        d[2] = cache.take_tick()
+        return True
+
+    def publish_deferred(self, req: Request) -> None:
+        """Publish the blocks :meth:`defer_full_block` noted for ``req`` (its tokens up to date)."""
+        d = self._deferred.pop(req.request_id, None)
+        if d is None:
+            return
+        node, count, tick = d
+        node.flush = None
+        rid = req.request_id
+        have = self._paths[rid][1]
+        bs = self.block_size
+        self.cache.grow_leaf(node, req.block_ids[have : have + count], _token_bytes(req, have * bs, (have + count) * bs),
+                             tick)  # fmt: skip
+        self._paths[rid] = (node, have + count)
+
+    def _publish_first(self, req: Request) -> None:
+        d = self._deferred.get(req.request_id)
+        if d is not None:
+            d[0].flush()
+
     def num_cached_blocks_of(self, req: Request) -> int:
+        self._publish_first(req)
         path = self._paths.get(req.request_id)
         return 0 if path is None else path[1]
 
     # -- release ------------------------------------------------------------------------------------
     def free(self, req: Request) -> None:
         """Release ``req``'s blocks and its lock on the prefix cache (its cached blocks stay cached)."""
+        self._publish_first(req)
         path = self._paths.pop(req.request_id, None)
         if path is not None:
             self.cache.unlock(path[0])
@@ -198,6 +322,7 @@ class KVCacheManager:
         """Take ``req``'s blocks and cache lock out of its hands without releasing them (a transfer still
         reads or writes them); the caller keeps ``req``'s former block table and returns both through
         :meth:`release_held`. Returns the lock (or None)."""
+        self._publish_first(req)
         req.block_ids = []
         return self._paths.pop(req.request_id, None)
 
@@ -230,7 +355,7 @@ class KVCacheManager:
         self.pool.check_invariants()
         cache = self.cache
         if cache is not None:
-            cache.check_invariants()
+            cache.check_invariants()  # (publishes what is deferred first)
         refs: dict[int, int] = {}
         for req in holders:
             if len(req.block_ids) < self.pool.blocks_for_tokens(req.num_computed_tokens):
@@ -240,6 +365,9 @@ class KVCacheManager:
             path = self._paths.get(req.request_id)
             if path is not None:
                 node, n = path
+                if self._lazy:
+                    self.hasher.request_block_hashes(req, self.block_size, n * self.block_size,
+                                                     self._hashes.setdefault(req.request_id, []))  # fmt: skip
                 path_hashes = []
                 while node is not cache.root:
                     path_hashes[:0] = node.hashes

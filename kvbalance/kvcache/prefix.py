@@ -42,6 +42,7 @@ class RadixNode:
         "lock_ref",
         "last_access",
         "alive",
+        "flush",
     )
 
     def __init__(
@@ -56,6 +57,9 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = 0
         self.alive = True
+        self.flush = (
+            None  # set while its one locker has blocks to publish here still (deferred): publishes them
+        )
 
     def __repr__(self) -> str:
         return f"RadixNode(blocks={len(self.block_ids)}, lock_ref={self.lock_ref}, children={len(self.children)})"
@@ -97,6 +101,10 @@ class RadixCache:
         self.protected_blocks = 0  # cached blocks in nodes some request has locked
         self.num_evicted = 0
         self.num_token_mismatches = 0  # hits by hash refused because the cached tokens differ
+        # lazy hashes (KVCacheManager.enable_lazy_hashes): a node may hold fewer hashes than blocks, the rest
+        # computed from its tokens by this hasher (chained from its last hash) when a lookup or a split needs
+        # them; None: every node holds all its hashes
+        self.hasher = None
 
     # -- sizes ------------------------------------------------------------------
     @property
@@ -123,6 +131,16 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
+    def materialize(self, node: RadixNode) -> None:
+        """Compute the hashes a lazy node does not hold yet (the same values an eager insert stored)."""
+        h = node.hashes
+        have = len(h)
+        if have < len(node.block_ids):
+            w = self._width
+            h.extend(
+                self.hasher.token_bytes_hashes(bytes(node.tokens[have * w :]), self.block_size, have, h[-1])
+            )
+
     # -- paths ------------------------------------------------------------------
     def blocks_of(self, node: RadixNode) -> list[int]:
         """Block ids from the root down to the end of ``node``."""
@@ -144,6 +162,10 @@ class RadixCache:
 
     def _split(self, node: RadixNode, k: int) -> RadixNode:
         """Cut ``node`` after its first ``k`` blocks; return the new upper part (same locks and stamp)."""
+        if node.flush is not None:
+            node.flush()
+        if len(node.hashes) < len(node.block_ids):
+            self.materialize(node)
         cut = k * self._width
         tokens = node.tokens
         upper = RadixNode(
@@ -171,6 +193,10 @@ class RadixCache:
         child = node.children.get(hashes[i])
         if child is None:
             return None, 0
+        if child.flush is not None:  # a lookup reaches blocks published late: publish them first
+            child.flush()
+        if len(child.hashes) < len(child.block_ids):
+            self.materialize(child)
         k = _common_prefix(child.hashes, hashes, i, n)
         if k < len(child.hashes):
             child = self._split(child, k)
@@ -280,7 +306,7 @@ class RadixCache:
         self._tick += 1
         tick = self._tick
         out: list[int] = []
-        while i < n:
+        while i < n and node.children:
             child, k = self._next_run(node, hashes, i, n)
             if child is None:
                 break
@@ -308,7 +334,10 @@ class RadixCache:
                 and node.lock_ref == 1
                 and (node.tokens is None) == (new_tokens is None)
             ):
-                node.hashes.extend(hashes[i:n])  # only the caller uses this leaf: grow it in place
+                # only the caller uses this leaf: grow it in place (a lazy node's hashes stay to compute; a
+                # caller with lazy hashes may give fewer than n: the node becomes lazy)
+                if len(node.hashes) == len(node.block_ids):
+                    node.hashes.extend(hashes[i:n])
                 node.block_ids.extend(new_blocks)
                 if new_tokens is not None:
                     node.tokens += new_tokens
@@ -321,6 +350,33 @@ class RadixCache:
             node.last_access = tick
             out.extend(new_blocks)
         return node, out
+
+    def grow_leaf(
+        self, node: RadixNode, block_ids: list[int], tokens: bytes, tick: int | None = None
+    ) -> None:
+        """:meth:`extend` of ``node`` (a leaf only the caller has locked, ``lock_ref == 1``, with tokens) by new
+        blocks, for a caller with lazy hashes (``hasher`` set): the same tick, references, counters, blocks and
+        tokens; the node's hashes are left to compute (:meth:`materialize`). ``tick``: the one taken when the
+        last of these blocks filled (:meth:`take_tick`; publication deferred), instead of a new one."""
+        if tick is None:
+            self._tick += 1
+            tick = self._tick
+        self.pool.incref(block_ids)
+        self.protected_blocks += len(block_ids)
+        node.block_ids.extend(block_ids)
+        node.tokens += tokens
+        node.last_access = tick
+
+    def take_tick(self) -> int:
+        """The tick an :meth:`extend` now would stamp (and count), for a publication deferred to later."""
+        self._tick += 1
+        return self._tick
+
+    def flush_all(self) -> None:
+        """Publish every block whose publication is deferred (``RadixNode.flush``)."""
+        for node in list(self.iter_nodes()):
+            if node.flush is not None:
+                node.flush()
 
     def insert(
         self, hashes: Sequence[int], block_ids: Sequence[int], tokens: bytes | None = None
@@ -335,15 +391,30 @@ class RadixCache:
     def evict(self, num_blocks: int) -> int:
         """Free up to ``num_blocks`` blocks, trimming the tails of least recently used unlocked leaves."""
         heap = self._heap
+        if num_blocks == 1 and heap:  # a decode's block: one off the LRU leaf's tail, the loop below in short
+            b = self.take_lru_tail()
+            if b is not None:
+                self.pool.free((b,))
+                return 1
+        to_free = self.evict_taking(num_blocks)
+        self.pool.free(to_free)
+        return len(to_free)
+
+    def evict_taking(self, num_blocks: int) -> list[int]:
+        """:meth:`evict`, but the blocks are handed to the caller in the order ``evict`` frees them, each still
+        with the cache's pool reference (the caller frees them, or keeps them: ``free`` then ``allocate``)."""
+        heap = self._heap
         root = self.root
         freed = 0
         to_free: list[int] = []
         while freed < num_blocks and heap:
-            stamp, _, node = heapq.heappop(heap)
+            stamp, _, node = heap[0]
             if not node.alive or node.lock_ref != 0 or node.children or stamp != node.last_access:
+                heapq.heappop(heap)
                 continue  # stale entry
             k = min(len(node.block_ids), num_blocks - freed)
             if k == len(node.block_ids):
+                heapq.heappop(heap)
                 to_free.extend(node.block_ids)
                 node.alive = False
                 parent = node.parent
@@ -355,16 +426,48 @@ class RadixCache:
             else:
                 to_free.extend(node.block_ids[-k:])
                 del node.block_ids[-k:]
-                del node.hashes[-k:]
+                del node.hashes[len(node.block_ids) :]  # (a lazy node may hold fewer)
                 if node.tokens is not None:
                     del node.tokens[-k * self._width :]
                 self._seq += 1
-                heapq.heappush(heap, (stamp, self._seq, node))
+                heapq.heapreplace(heap, (stamp, self._seq, node))  # pop it, push it back: one sift
             self.evictable_blocks -= k
             freed += k
-        self.pool.free(to_free)
         self.num_evicted += freed
-        return freed
+        return to_free
+
+    def take_lru_tail(self) -> int | None:
+        """:meth:`evict` of one block where it trims the least recently used leaf's tail (the leaf keeps other
+        blocks), but the block is handed to the caller with the cache's pool reference instead of freed (the
+        caller frees it, or keeps it as its own: what ``free`` then ``allocate(1)`` would do); None (nothing
+        changed) in any other case."""
+        heap = self._heap
+        if not heap:
+            return None
+        stamp, _, node = heap[0]
+        ids = node.block_ids
+        if not (
+            len(ids) > 1
+            and node.alive
+            and node.lock_ref == 0
+            and not node.children
+            and stamp == node.last_access
+        ):
+            return None
+        b = ids.pop()
+        del node.hashes[len(ids) :]
+        if node.tokens is not None:
+            del node.tokens[-self._width :]
+        self._seq += 1
+        entry = (stamp, self._seq, node)
+        n = len(heap)  # still the smallest (the usual case): no sift
+        if (n < 2 or entry < heap[1]) and (n < 3 or entry < heap[2]):
+            heap[0] = entry
+        else:
+            heapq.heapreplace(heap, entry)
+        self.evictable_blocks -= 1
+        self.num_evicted += 1
+        return b
 
     def evict_blocks(self, block_ids: Sequence[int]) -> int:
         """Drop the given blocks from the prefix cache, with every cached block below them; return blocks freed.
@@ -375,6 +478,7 @@ class RadixCache:
         targets = set(block_ids)
         if not targets:
             return 0
+        self.flush_all()
         root = self.root
         freed: list[int] = []
         nodes_removed = 0
@@ -427,6 +531,10 @@ class RadixCache:
 
     # -- checks -----------------------------------------------------------------
     def check_invariants(self) -> None:
+        self.flush_all()
+        if self.hasher is not None:
+            for node in self.iter_nodes():
+                self.materialize(node)
         evictable = protected = nodes = 0
         entries = {(id(n), stamp) for stamp, _, n in self._heap}
         seen: set[int] = set()

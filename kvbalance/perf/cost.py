@@ -16,7 +16,7 @@ did not hide; :meth:`CostModel.host_time` says which part was hidden).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import reduce
 from operator import add
@@ -137,6 +137,16 @@ def plan_shape(plan: BatchPlan) -> tuple:
             if ctx < n:
                 raise ValueError(f"context_len: {ctx} is smaller than num_new_tokens {n}")
             chunks.append((n, ctx))
+    c = plan.cohort_seqs  # decodes counted, not listed (BatchPlan): the same sums as if they were
+    if c:
+        return (
+            len(plan.seqs) + c,
+            tokens + c,
+            sampled + c,
+            dec_seqs + c,
+            dec_ctx + plan.cohort_context,
+            tuple(chunks),
+        )
     return len(plan.seqs), tokens, sampled, dec_seqs, dec_ctx, tuple(chunks)
 
 
@@ -230,6 +240,8 @@ class CostModel:
         self._step_memo: dict[int, tuple] | None = {}
         self._gaps_s = self.gpu.per_layer_overhead_s * self.model.num_layers  # the per-layer launch gaps
         self._lm_memo: dict[int, tuple] = {}
+        self._decode_fns: dict[int, Callable[[int], float]] = {}  # decode_step_fn's, per sequence count
+        self._tally_memo: dict[tuple, tuple] = {}  # step_tallied's context-free values (_tally_fixed)
         self._attn_memo: dict[
             tuple, tuple
         ] = {}  # (attention op, its tokens, the step's if equal) -> _attn_terms
@@ -387,66 +399,130 @@ class CostModel:
             )
         return self.step_tallied(num_seqs, (num_seqs, num_seqs, 0, 0, 0.0, num_seqs, context_sum))
 
+    def decode_step_fn(self, num_seqs: int) -> Callable[[int], float]:
+        """``c -> breakdown_total_s(self.decode_step(num_seqs, c))`` for a context sum ``c``: :meth:`step_tallied`'s
+        arithmetic for a decode-only step with everything that does not depend on ``c`` done once (memoised per
+        ``num_seqs``; the same float operations in the same order, so the same value to the last bit), for the
+        simulator's decode cohort (``Instance.cohort_run``), which asks it once per step."""
+        fn = self._decode_fns.get(num_seqs)
+        if fn is not None:
+            return fn
+        n = num_seqs
+        if self._step_memo is None or n < 1:
+
+            def fn(ctx: int) -> float:
+                return breakdown_total_s(self.decode_step(n, ctx))
+
+        else:
+            terms = self._step_memo.get(n)
+            if terms is None:
+                terms = self._terms_of(n)
+            c_pre, m_pre, o_pre, _f, _b, o_pre_seq, post, kernels, comm_s, at = terms
+            post_c, post_m, post_o, _pf, _pb = post
+            hw, eng = self.gpu, self.engine
+            work = eng.host_work_s(hw, n, n, self.tp)
+            overhead_s = o_pre if eng.overlap else reduce(add, o_pre_seq, work + self._gaps_s)
+            m, dt = self.model, self._dt
+            hd, heads_r, kvl, q_r = m.head_dim, self._heads_r, self._kv_token_layer_bytes, self._q_r
+            flops_per_ctx = 4.0 * hd * heads_r
+            q_bytes = 2.0 * n * q_r * dt
+            mem_half = hw.memory_half_bytes
+            r, c_num, c_den, m_den, o = self._attn_terms("attn_decode", n, at, float(n))
+            overhead_s += o
+            kernels += m.num_layers
+            overhead_s = reduce(add, post_o, overhead_s)
+            lm = self._lm_memo.get(n)
+            if lm is None:
+                lm = self._lm_terms(n)
+            lm_c, lm_v, o, _f, _b, k = lm
+            overhead_s += o
+            kernels += k
+            launch = eng.launch_s(n, n, kernels)
+            overlap, sync_s = eng.overlap, eng.sync_s
+
+            def fn(ctx: int) -> float:
+                a_flops = flops_per_ctx * ctx
+                a_bytes = ctx * kvl + q_bytes
+                c = a_flops * c_num / c_den if a_flops > 0 else 0.0
+                mem = (a_bytes + mem_half) / m_den if a_bytes > 0 else 0.0
+                if c > mem:
+                    compute_s = c_pre + c * r
+                    memory_s = m_pre
+                else:
+                    compute_s = c_pre
+                    memory_s = m_pre + mem * r
+                compute_s = reduce(add, post_c, compute_s)
+                memory_s = reduce(add, post_m, memory_s)
+                if lm_c:
+                    compute_s += lm_v
+                else:
+                    memory_s += lm_v
+                if overlap:
+                    gpu_s = compute_s + memory_s + overhead_s + comm_s
+                    busy = gpu_s if gpu_s >= launch else launch
+                    over = overhead_s + ((busy if busy >= work else work) - gpu_s + sync_s)
+                else:
+                    gpu_s = compute_s + memory_s + (overhead_s - work) + comm_s
+                    over = overhead_s + ((launch - gpu_s if launch > gpu_s else 0.0) + sync_s)
+                return compute_s + memory_s + over + comm_s + 0.0
+
+        if len(self._decode_fns) >= STEP_MEMO_MAX:
+            self._decode_fns.clear()
+        self._decode_fns[n] = fn
+        return fn
+
     def step_tallied(self, num_seqs: int, sums: tuple[int, int, int, int, float, int, int]) -> StepBreakdown:
-        """:meth:`step` of ``num_seqs`` sequences whose :func:`tally` is ``sums`` (the memoised path)."""
-        memo = self._step_memo
+        """:meth:`step` of ``num_seqs`` sequences whose :func:`tally` is ``sums`` (the memoised path): what does not
+        depend on the contexts memoised per (sequences, tokens, sampled, prompt-chunk tokens, decodes)
+        (:meth:`_tally_fixed`), the rest the same operations in the same order."""
         tokens, sampled, pre_tokens, pre_ctx, pre_pairs, dec_seqs, dec_ctx = sums
         if tokens == 0:
             return StepBreakdown()
-        terms = memo.get(tokens)
-        if terms is None:
-            terms = self._terms_of(tokens)
-        c_pre, m_pre, o_pre, f_pre, b_pre, o_pre_seq, post, kernels, comm_s, at = terms
-        post_c, post_m, post_o, post_f, post_b = post
-        hw, eng = self.gpu, self.engine
-        work = eng.host_work_s(hw, num_seqs, tokens, self.tp)
-        compute_s, memory_s, flops, num_bytes = c_pre, m_pre, f_pre, b_pre
-        # the operators before attention: their sums from 0 are fixed by T; a serial engine's overhead starts
-        # from its host work, so its latencies are added one by one
-        overhead_s = o_pre if eng.overlap else reduce(add, o_pre_seq, work + self._gaps_s)
-        L = self.model.num_layers
-        m, dt = self.model, self._dt
-        hd, heads_r, kvl, q_r = m.head_dim, self._heads_r, self._kv_token_layer_bytes, self._q_r
-        T = float(tokens)
-        mem_half = hw.memory_half_bytes
-        for name, size, a_flops, a_bytes in (
-            ("attn_prefill", pre_tokens, 4.0 * hd * heads_r * pre_pairs, pre_ctx * kvl + 2.0 * pre_tokens * q_r * dt),
-            ("attn_decode", dec_seqs, 4.0 * hd * heads_r * dec_ctx, dec_ctx * kvl + 2.0 * dec_seqs * q_r * dt),
-        ):  # fmt: skip
-            if not size:
-                continue
-            # _op_terms of OpCount(name, ATTENTION, a_flops, a_bytes, size, repeat=L), its FLOP- and byte-free
-            # factors memoised: compute_time_s and memory_time_s with the same operations in the same order
-            r, c_num, c_den, m_den, o = self._attn_terms(name, size, at, T)
+        key = (num_seqs, tokens, sampled, pre_tokens, dec_seqs)
+        fx = self._tally_memo.get(key)
+        if fx is None:
+            fx = self._tally_fixed(key)
+        (compute_s, memory_s, flops, num_bytes, overhead_s, work, pre_t, dec_t, post_c, post_m, post_f, post_b,
+         lm, launch, comm_s) = fx  # fmt: skip
+        if pre_t is not None:
+            # _op_terms of OpCount("attn_prefill", ATTENTION, a_flops, a_bytes, pre_tokens, repeat=L), its FLOP-
+            # and byte-free factors memoised: compute_time_s and memory_time_s's operations in the same order
+            k_flops, kvl, q_bytes, mem_half, L, r, c_num, c_den, m_den = pre_t
+            a_flops = k_flops * pre_pairs
+            a_bytes = pre_ctx * kvl + q_bytes
             c = a_flops * c_num / c_den if a_flops > 0 else 0.0
             mem = (a_bytes + mem_half) / m_den if a_bytes > 0 else 0.0
             if c > mem:
                 compute_s += c * r
             else:
                 memory_s += mem * r
-            overhead_s += o
             flops += a_flops * L
             num_bytes += a_bytes * L
-            kernels += L
+        if dec_t is not None:
+            k_flops, kvl, q_bytes, mem_half, L, r, c_num, c_den, m_den = dec_t
+            a_flops = k_flops * dec_ctx
+            a_bytes = dec_ctx * kvl + q_bytes
+            c = a_flops * c_num / c_den if a_flops > 0 else 0.0
+            mem = (a_bytes + mem_half) / m_den if a_bytes > 0 else 0.0
+            if c > mem:
+                compute_s += c * r
+            else:
+                memory_s += mem * r
+            flops += a_flops * L
+            num_bytes += a_bytes * L
         compute_s = reduce(add, post_c, compute_s)
         memory_s = reduce(add, post_m, memory_s)
-        overhead_s = reduce(add, post_o, overhead_s)
         flops = reduce(add, post_f, flops)
         num_bytes = reduce(add, post_b, num_bytes)
-        if sampled:
-            lm = self._lm_memo.get(sampled)
-            if lm is None:
-                lm = self._lm_terms(sampled)
-            to_c, v, o, f, b, k = lm
+        if lm is not None:
+            to_c, v, f, b = lm
             if to_c:
                 compute_s += v
             else:
                 memory_s += v
-            overhead_s += o
             flops += f
             num_bytes += b
-            kernels += k
-        launch = eng.launch_s(num_seqs, tokens, kernels)
+        eng = self.engine
         if eng.overlap:
             gpu_s = compute_s + memory_s + overhead_s + comm_s
             busy = gpu_s if gpu_s >= launch else launch
@@ -455,6 +531,54 @@ class CostModel:
             gpu_s = compute_s + memory_s + (overhead_s - work) + comm_s
             overhead_s += (launch - gpu_s if launch > gpu_s else 0.0) + eng.sync_s
         return StepBreakdown(compute_s, memory_s, overhead_s, comm_s, 0.0, flops, num_bytes)
+
+    def _tally_fixed(self, key: tuple[int, int, int, int, int]) -> tuple:
+        """:meth:`step_tallied`'s values that depend on (sequences, tokens, sampled, prompt-chunk tokens,
+        decodes) only, each computed as it did: the operators before attention, the overhead summed in its
+        order (their latencies, the attention kernels', those after, the LM head's), the attention factors, the
+        lists summed after attention, the LM head's terms, the launch time (memoised)."""
+        num_seqs, tokens, sampled, pre_tokens, dec_seqs = key
+        memo = self._tally_memo
+        if len(memo) >= STEP_MEMO_MAX:
+            memo.clear()
+        terms = self._step_memo.get(tokens)
+        if terms is None:
+            terms = self._terms_of(tokens)
+        c_pre, m_pre, o_pre, f_pre, b_pre, o_pre_seq, post, kernels, comm_s, at = terms
+        post_c, post_m, post_o, post_f, post_b = post
+        hw, eng = self.gpu, self.engine
+        work = eng.host_work_s(hw, num_seqs, tokens, self.tp)
+        # a serial engine's overhead starts from its host work, so its latencies are added one by one
+        overhead_s = o_pre if eng.overlap else reduce(add, o_pre_seq, work + self._gaps_s)
+        L = self.model.num_layers
+        m, dt = self.model, self._dt
+        hd, heads_r, kvl, q_r = m.head_dim, self._heads_r, self._kv_token_layer_bytes, self._q_r
+        T = float(tokens)
+        attn = []
+        for name, size in (("attn_prefill", pre_tokens), ("attn_decode", dec_seqs)):
+            if not size:
+                attn.append(None)
+                continue
+            r, c_num, c_den, m_den, o = self._attn_terms(name, size, at, T)
+            attn.append((4.0 * hd * heads_r, kvl, 2.0 * size * q_r * dt, hw.memory_half_bytes, L, r, c_num, c_den,
+                         m_den))  # fmt: skip
+            overhead_s += o
+            kernels += L
+        overhead_s = reduce(add, post_o, overhead_s)
+        lm = None
+        if sampled:
+            lm_t = self._lm_memo.get(sampled)
+            if lm_t is None:
+                lm_t = self._lm_terms(sampled)
+            to_c, v, o, f, b, k = lm_t
+            lm = (to_c, v, f, b)
+            overhead_s += o
+            kernels += k
+        launch = eng.launch_s(num_seqs, tokens, kernels)
+        fx = (c_pre, m_pre, f_pre, b_pre, overhead_s, work, attn[0], attn[1], post_c, post_m, post_f, post_b, lm,
+              launch, comm_s)  # fmt: skip
+        memo[key] = fx
+        return fx
 
     def _op_terms(self, op: OpCount, at: dict[str, float] | None, step_tokens: float) -> tuple:
         """What one operator adds to a step (:meth:`_step_plain`'s loop body): (to compute_s?, the roofline
@@ -661,13 +785,20 @@ class CostModel:
 
     @staticmethod
     def plan_seqs(plan: BatchPlan) -> list[SeqWork]:
-        return [(s.num_new_tokens, s.context_len, s.sample) for s in plan.seqs]
+        """The plan's sequences; a decode cohort (``plan.cohort_seqs``) as that many decodes with its context
+        sum (a step depends on its decodes through their count and context sum only)."""
+        seqs = [(s.num_new_tokens, s.context_len, s.sample) for s in plan.seqs]
+        c = plan.cohort_seqs
+        if c:
+            seqs += [(1, plan.cohort_context - (c - 1), True)] + [(1, 1, True)] * (c - 1)
+        return seqs
 
     def predict(self, plan: BatchPlan) -> StepBreakdown:
         """Breakdown of the compute in ``plan`` (KV transfers are the executor's business)."""
         if self._step_memo is None:
             return self._step_plain(self.plan_seqs(plan))
-        return self.step_tallied(len(plan.seqs), plan_tally(plan))
+        shape = plan_shape(plan)
+        return self.step_tallied(shape[0], shape_tally(shape))
 
     def step_time(self, plan: BatchPlan) -> float:
         return breakdown_total_s(self.predict(plan))

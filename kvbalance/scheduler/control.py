@@ -17,6 +17,7 @@ class RequestControl:
         """Preempt a running request from outside (it frees its blocks and resumes later by recompute)."""
         if req.state is not RequestState.RUNNING:
             raise ValueError(f"req: {req.request_id} is {req.state.value}, not running")
+        self.settle()
         self._preempt(req)
 
     # -- live migration (a request's KV moving to another instance while it runs) -------
@@ -26,6 +27,9 @@ class RequestControl:
         copy that reads them landed)."""
         if req.state is not RequestState.RUNNING:
             raise ValueError(f"req: {req.request_id} is {req.state.value}, not running")
+        self.settle()
+        if self._cohort is not None:
+            self._cohort_forget(req)
         self.running.remove(req)
         self.kv.forget(req)
         self._hold(req, for_load=False)
@@ -62,7 +66,10 @@ class RequestControl:
         """End a request from outside (stop string matched, client abort)."""
         if req.is_finished:
             return
+        self.settle()
         if req.state is RequestState.RUNNING:
+            if self._cohort is not None:
+                self._cohort_forget(req)
             self._release(req, finished=True)
             self.running.remove(req)
         elif req.state is RequestState.WAITING_FOR_KV:

@@ -26,6 +26,7 @@ from kvbalance.kvcache.connector import KVConnector, NullConnector
 from kvbalance.kvcache.manager import KVCacheManager
 from kvbalance.request import Request, RequestState
 from kvbalance.scheduler.base import POLICIES
+from kvbalance.scheduler.cohort import CohortScheduling
 from kvbalance.scheduler.config import SchedulerConfig  # importers of kvbalance.scheduler.core keep it here
 from kvbalance.scheduler.control import RequestControl
 
@@ -34,7 +35,7 @@ from kvbalance.scheduler.control import RequestControl
 DECODE_RUN_POLICIES = ("sarathi", "vllm")
 
 
-class Scheduler(RequestControl):
+class Scheduler(RequestControl, CohortScheduling):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -65,6 +66,7 @@ class Scheduler(RequestControl):
         self.admitted_tokens = 0  # tokens that needed KV at admission (prompt, or prompt + output on resume)
         self.prefix_hit_tokens = 0  # of those, tokens served by the prefix cache
         self.external_hit_tokens = 0  # of those, tokens loaded from outside through the connector
+        self._cohort = None  # the decode cohort (scheduler/cohort.py), off until enable_cohort
 
     # -- queue ------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -103,6 +105,7 @@ class Scheduler(RequestControl):
         """Whether the next step could compute prompt tokens (a request waits or a running one is mid-prompt)."""
         if self.waiting or self.loading:
             return True
+        self.settle()
         # a prompt token left (even one: the last chunk of a k x budget + 1 prompt) or a multi-token recompute
         return any(
             r.num_computed_tokens < r._num_prompt
@@ -115,6 +118,8 @@ class Scheduler(RequestControl):
         each running request decodes one token (a policy of ``DECODE_RUN_POLICIES`` with the batch inside its
         token budget), nothing can be admitted (no request waits, or the batch is at ``max_num_seqs``), no KV
         is in flight, and only the length rule can stop a request (``Instance.decode_run`` relies on this)."""
+        if self._cohort is not None:
+            self._dissolve()  # Instance.decode_run writes the requests itself
         running = self.running
         if not running or self.loading or self._held or self.policy.name not in DECODE_RUN_POLICIES:
             return False
@@ -142,6 +147,8 @@ class Scheduler(RequestControl):
 
         A request that cannot grow first shrinks its prefill chunk to the free blocks, else preempts the
         newest running request not yet scheduled in this step (possibly itself)."""
+        if self._cohort is not None:
+            return self._cohort_schedule_running(plan, budget)
         decodes: list[Request] = []
         prefills: list[Request] = []
         for r in self.running:
@@ -206,8 +213,9 @@ class Scheduler(RequestControl):
     def _pick_victim(self, seqs: list[ScheduledSeq], first: int) -> Request:
         """The newest running request not among ``seqs[first:]`` (scheduled in this step), else the newest."""
         scheduled = {s.request.request_id for s in seqs[first:]}
+        cohort = self._cohort  # its members decode in every step they are in (scheduled first)
         for req in reversed(self.running):
-            if req.request_id not in scheduled:
+            if req.request_id not in scheduled and not (cohort and req.request_id in cohort):
                 return req
         return self.running[-1]
 
@@ -253,6 +261,8 @@ class Scheduler(RequestControl):
             req.num_computed_tokens = start  # a synchronous load lands before this step's compute
             req.state = RequestState.RUNNING
             self.running.append(req)
+            if self._cohort is not None:
+                self._cohort_enter(req)
             plan.seqs.append(ScheduledSeq(req, start, n, start + n == req.num_tokens))
             budget -= n
 
@@ -268,6 +278,8 @@ class Scheduler(RequestControl):
     # -- applying results ---------------------------------------------------------
     def update(self, plan: BatchPlan, result: StepResult, now: float) -> list[Request]:
         """Apply an executed plan at time ``now``; return the requests that finished."""
+        if self._cohort is not None:
+            return self._cohort_update(plan, result, now)
         finished: list[Request] = []
         kv = self.kv
         caching = self.cache is not None
@@ -321,6 +333,8 @@ class Scheduler(RequestControl):
                 req.num_computed_tokens = target
                 req.state = RequestState.RUNNING
                 self.running.append(req)
+                if self._cohort is not None:
+                    self._cohort_enter(req)
                 if self.cache is not None:
                     self.kv.cache_full_blocks(req)
             elif rid in self._held and self._held_for_load.get(rid):
@@ -361,6 +375,8 @@ class Scheduler(RequestControl):
         self.kv.free(req)
 
     def _preempt(self, req: Request) -> None:
+        if self._cohort is not None:
+            self._cohort_forget(req)
         self._release(req, finished=False)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -371,6 +387,7 @@ class Scheduler(RequestControl):
 
     # -- checks -----------------------------------------------------------------
     def check_invariants(self) -> None:
+        self.settle()
         for req in self.running:
             if req.state is not RequestState.RUNNING:
                 raise AssertionError(f"{req} in the running list")

@@ -41,13 +41,20 @@ class SimulationResult:
 
 
 def build_sim_instance(
-    cfg: SimulateConfig, connector: KVConnector | None = None
+    cfg: SimulateConfig, connector: KVConnector | None = None, cost_models: dict | None = None
 ) -> tuple[Instance, CostModel]:
     """The instance a simulated run serves with: KV capacity from the GPU memory left after weights and
     the activation reserve at the policy's token budget (or ``kv_tokens``), on the cost model.
-    ``connector``: the KV connector's scheduler half (a cluster's P/D or store connector; none by default)."""
+    ``connector``: the KV connector's scheduler half (a cluster's P/D or store connector; none by default).
+    ``cost_models``: cost models by (model, GPU, TP, engine) to share with other instances of the same (a cost
+    model is a pure function of those; sharing shares its memos), added to where missing."""
     model = get_model(cfg.model)
-    cost = CostModel(model, cfg.gpu, cfg.tp, engine=cfg.engine)
+    key = (cfg.model, cfg.gpu, cfg.tp, cfg.engine)
+    cost = cost_models.get(key) if cost_models is not None else None
+    if cost is None:
+        cost = CostModel(model, cfg.gpu, cfg.tp, engine=cfg.engine)
+        if cost_models is not None:
+            cost_models[key] = cost
     max_context = min(cfg.max_context or model.max_context, model.max_context)
     budget = POLICIES.get(cfg.policy).token_budget(cfg.chunk_size, max_context)
     if cfg.kv_tokens is not None:

@@ -29,6 +29,12 @@ class Router:
     def choose(self, req: Request, loads: Sequence[InstanceLoad]) -> int:
         raise NotImplementedError
 
+    def arrivals_elsewhere(self, index: int, num_candidates: int) -> int | None:
+        """How many of the next requests go to other candidates before one comes to candidate ``index``, where
+        that does not depend on loads or requests (None: it may; the default). The simulator then lets an
+        instance run ahead to its own next arrival (``Cluster``)."""
+        return None
+
     def forget(self, req: Request, index: int) -> None:
         """The request finished on candidate ``index`` (routers that count in-flight work may use it)."""
 

@@ -19,3 +19,6 @@ class RoundRobinRouter(Router):
         i = self._next % len(loads)
         self._next += 1
         return i
+
+    def arrivals_elsewhere(self, index: int, num_candidates: int) -> int | None:
+        return (index - self._next) % num_candidates
