@@ -71,6 +71,11 @@ class DecodeRunStep:
     num_decode_seqs: int
 
 
+@dataclass(frozen=True, slots=True)
+class CohortStep(DecodeRunStep):
+    """The plan of a step that is the decode cohort's alone, begun by ``Instance.cohort_step``."""
+
+
 class StepColumns:
     """Steps as a step hook that only records sees them, as columns: each step's start, duration and batch
     tokens, and the running and waiting requests and the KV tokens in use after it."""
@@ -142,8 +147,9 @@ class Instance:
         self.max_context = max_context
         self.num_steps = 0
         self.busy_s = 0.0
-        self.cohort_run_steps = 0  # of num_steps, those run by cohort_run (no plan)
+        self.cohort_run_steps = 0  # of num_steps, those run by cohort_run or cohort_step (no plan)
         self._run_shapes: dict[int, DecodeRunStep] = {}  # cohort_run's plan stand-ins, per member count
+        self._cohort_steps: dict[int, CohortStep] = {}  # cohort_step's
         # a request must fit the pool it can always count on (lent blocks may be reclaimed)
         self.max_request_blocks = (
             num_blocks if elastic is not None and elastic.mode == "elastic" else self.pool.num_blocks
@@ -408,6 +414,27 @@ class Instance:
 
         return self.scheduler.cohort_run(now, horizon_s, ex.decode_step_fn, step_done)
 
+    def cohort_step(self, now: float) -> StepOutcome | None:
+        """Start the next step as :meth:`step` would where it is the decode cohort's alone
+        (``Scheduler.cohort_step_start``: no plan, its time from ``decode_step_fn``, the same as ``execute``'s);
+        None where it is not (call :meth:`step`). :meth:`complete` ends it (``outcome.plan`` is a
+        ``CohortStep``, ``outcome.result`` a ``RunStepResult``)."""
+        if self.elastic is not None or self.failed:
+            return None
+        ex = self.executor
+        started = self.scheduler.cohort_step_start(ex.decode_step_fn)
+        if started is None:
+            return None
+        d, n = started
+        ex.note_step(d)
+        self.num_steps += 1
+        self.cohort_run_steps += 1
+        self.busy_s += d
+        plan = self._cohort_steps.get(n)
+        if plan is None:
+            plan = self._cohort_steps[n] = CohortStep(n, n)
+        return StepOutcome(plan, RunStepResult(d), now)
+
     def _cohort_run_recorded(
         self,
         now: float,
@@ -449,7 +476,10 @@ class Instance:
         done[i] = j
 
     def complete(self, outcome: StepOutcome, now: float) -> list[Request]:
-        return self.scheduler.update(outcome.plan, outcome.result, now)
+        plan = outcome.plan
+        if plan.__class__ is CohortStep:  # begun by cohort_step
+            return self.scheduler.cohort_step_end(now)
+        return self.scheduler.update(plan, outcome.result, now)
 
     def _fail(self, reason: str, now: float) -> None:
         """The instance is dead (e.g. CUDA OOM): reject everything it holds with ``reason``."""

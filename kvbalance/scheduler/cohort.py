@@ -242,6 +242,42 @@ class CohortScheduling:
             t = end
         return t
 
+    def cohort_step_start(self, step_fn: Callable[[int], Callable[[int], float]]) -> tuple[float, int] | None:
+        """Start one step that is the cohort's alone (:meth:`cohort_run_ready`), as :meth:`schedule` would plan
+        it: the members' new blocks in running order. Returns its duration and member count; None (nothing
+        done): the step is not the cohort's alone, or its new blocks might need a preemption (plan it). The
+        step's end is :meth:`cohort_step_end` (for a step that ends after the caller's horizon: in flight)."""
+        if not self.cohort_run_ready():
+            return None
+        n = len(self._cohort)
+        g = self._g
+        bs = self.block_size
+        bucket = self._buckets.get(g % bs)
+        if bucket:
+            grow = [m for m in bucket if m.c0 + g - m.g0 >= len(m.req.block_ids) * bs]
+            if grow:
+                kv = self.kv
+                if len(grow) > kv.num_available_blocks:
+                    return None
+                for m in grow:  # one block each (a decode at a block's first position)
+                    if not kv.allocate_one(m.req):
+                        raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
+        self._step_decodes = 0
+        return step_fn(n)(self._cbase + n * (g + 1)), n
+
+    def cohort_step_end(self, now: float) -> list[Request]:
+        """The end, at ``now``, of a step begun by :meth:`cohort_step_start`: what :meth:`update` does with its
+        plan (the members' fills and finishes in running order); returns the requests that finished."""
+        finished: list[Request] = []
+        if self._cohort:  # (members taken out while it ran are out of the lists)
+            events, fins = self._advance(now)
+            for m in events:
+                self._member_event(m, fins, now, finished)
+            if finished:
+                running = RequestState.RUNNING
+                self.running = [r for r in self.running if r.state is running]
+        return finished
+
     def _advance(self, now: float) -> tuple[list[_Member], list[_Member] | None]:
         """One cohort step done at ``now``: the members with an event, in running order, and those finishing."""
         g = self._g

@@ -166,7 +166,10 @@ class InstanceDriver:
                     if t_run != t:
                         self.busy = True
                         self.run_end_s = t = t_run
-                outcome = inst.step(t)
+                    # the step that ends at or after the horizon (or needs blocks): no plan if the cohort's
+                    outcome = inst.cohort_step(t) or inst.step(t)
+                else:
+                    outcome = inst.step(t)
                 if outcome is None:
                     self.busy = False
                     return
