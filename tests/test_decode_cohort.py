@@ -1,5 +1,5 @@
 """The decode cohort (scheduler/cohort.py), cohort runs (Instance.cohort_run), cohort-only steps begun without
-a plan (Instance.cohort_step) and members running ahead of the clock (InstanceDriver.ahead) are exact: runs with
+a plan (Instance.cohort_run_begin) and members running ahead of the clock (InstanceDriver.ahead) are exact: runs with
 them (KVBALANCE_SIM_FAST=1, decode runs off) give bit for bit the same summaries, per-request tokens, token
 times, block tables, step times and timelines as the step-by-step path (KVBALANCE_SIM_FAST=0): single instances
 under Sarathi and vLLM scheduling, with prefix-cache hits, preemptions, requests only a stop token or logprobs
@@ -142,12 +142,14 @@ def _runs(monkeypatch, fast: str) -> tuple[list[str], int, int]:
 
     steps = {"cohort": 0, "crossing": 0}
     real = engine.Instance.cohort_run
-    real_step = engine.Instance.cohort_step
+    real_begin = engine.Instance.cohort_run_begin
 
-    def counting_step(self, now):
-        outcome = real_step(self, now)
+    def counting_begin(self, *a, **k):
+        before = self.cohort_run_steps
+        t, outcome = real_begin(self, *a, **k)
+        steps["cohort"] += self.cohort_run_steps - before - (outcome is not None)
         steps["crossing"] += outcome is not None
-        return outcome
+        return t, outcome
 
     def counting(self, *a, **k):
         before = self.cohort_run_steps
@@ -156,7 +158,7 @@ def _runs(monkeypatch, fast: str) -> tuple[list[str], int, int]:
         return t
 
     monkeypatch.setattr(engine.Instance, "cohort_run", counting)
-    monkeypatch.setattr(engine.Instance, "cohort_step", counting_step)
+    monkeypatch.setattr(engine.Instance, "cohort_run_begin", counting_begin)
     out = _single_runs() + _cluster_runs()
     return out, steps["cohort"], steps["crossing"]
 
@@ -166,7 +168,7 @@ def test_the_decode_cohort_gives_the_step_by_step_results_bit_for_bit(monkeypatc
     off, off_steps, off_crossing = _runs(monkeypatch, "0")
     assert cohort_steps > 1000 and off_steps == 0  # the fast paths under test ran (and only with them on)
     # cohort-only steps that end past a member's horizon (the next arrival) begun without a plan, their end
-    # an event of its own (Instance.cohort_step, Scheduler.cohort_step_end)
+    # an event of its own (Instance.cohort_run_begin, Scheduler.cohort_step_end)
     assert crossing > 100 and off_crossing == 0
     assert len(on) == len(off)
     for i, (a, b) in enumerate(zip(on, off)):
