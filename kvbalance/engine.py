@@ -71,6 +71,11 @@ class DecodeRunStep:
     num_decode_seqs: int
 
 
+@dataclass(frozen=True, slots=True)
+class CohortStep(DecodeRunStep):
+    """The plan of a step that is the decode cohort's alone, begun by ``Instance.cohort_run_begin``."""
+
+
 class StepColumns:
     """Steps as a step hook that only records sees them, as columns: each step's start, duration and batch
     tokens, and the running and waiting requests and the KV tokens in use after it."""
@@ -142,8 +147,9 @@ class Instance:
         self.max_context = max_context
         self.num_steps = 0
         self.busy_s = 0.0
-        self.cohort_run_steps = 0  # of num_steps, those run by cohort_run (no plan)
+        self.cohort_run_steps = 0  # of num_steps, those run by cohort_run(_begin) (no plan)
         self._run_shapes: dict[int, DecodeRunStep] = {}  # cohort_run's plan stand-ins, per member count
+        self._cohort_steps: dict[int, CohortStep] = {}  # cohort_run_begin's
         # a request must fit the pool it can always count on (lent blocks may be reclaimed)
         self.max_request_blocks = (
             num_blocks if elastic is not None and elastic.mode == "elastic" else self.pool.num_blocks
@@ -387,11 +393,42 @@ class Instance:
 
         With ``columns``, the run's steps are added there instead of going to ``on_step`` (for a hook that only
         records), and ``on_finish`` gets the finished requests at the end."""
+        return self._cohort_run(now, horizon_s, on_step, on_finish, columns, None)
+
+    def cohort_run_begin(
+        self,
+        now: float,
+        horizon_s: float,
+        on_step: Callable[[StepOutcome, float], None],
+        on_finish: Callable[[Request], None],
+        columns: StepColumns | None = None,
+    ) -> tuple[float, StepOutcome | None]:
+        """:meth:`cohort_run`, then the step that would end at or after ``horizon_s`` begun where it is the
+        cohort's alone, as :meth:`step` would begin it but without a plan (its new blocks allocated, its time
+        from ``decode_step_fn``, the same as ``execute``'s): returns the time reached and that step's outcome
+        (``outcome.plan`` a ``CohortStep``, ``outcome.result`` a ``RunStepResult``; :meth:`complete` ends it,
+        ``Scheduler.cohort_step_end``). None: none begun; :meth:`step` plans the next step."""
+        begun: list[tuple[float, float, int]] = []
+        t = self._cohort_run(now, horizon_s, on_step, on_finish, columns, lambda *a: begun.append(a))
+        if not begun:
+            return t, None
+        start_s, d, n = begun[0]
+        return t, self._begun(start_s, d, n)
+
+    def _cohort_run(
+        self,
+        now: float,
+        horizon_s: float,
+        on_step: Callable[[StepOutcome, float], None],
+        on_finish: Callable[[Request], None],
+        columns: StepColumns | None,
+        begin: Callable[[float, float, int], None] | None,
+    ) -> float:
         if self.elastic is not None or self.failed:
             return now
         ex = self.executor
         if columns is not None:
-            return self._cohort_run_recorded(now, horizon_s, on_finish, columns)
+            return self._cohort_run_recorded(now, horizon_s, on_finish, columns, begin)
         shapes = self._run_shapes
 
         def step_done(start_s: float, d: float, n: int, finished: list[Request]) -> None:
@@ -406,7 +443,18 @@ class Instance:
             for req in finished:
                 on_finish(req)
 
-        return self.scheduler.cohort_run(now, horizon_s, ex.decode_step_fn, step_done)
+        return self.scheduler.cohort_run(now, horizon_s, ex.decode_step_fn, step_done, begin)
+
+    def _begun(self, start_s: float, d: float, n: int) -> StepOutcome:
+        """Account a cohort-only step begun at ``start_s`` (as :meth:`step` does) and give its outcome."""
+        self.executor.note_step(d)
+        self.num_steps += 1
+        self.cohort_run_steps += 1
+        self.busy_s += d
+        plan = self._cohort_steps.get(n)
+        if plan is None:
+            plan = self._cohort_steps[n] = CohortStep(n, n)
+        return StepOutcome(plan, RunStepResult(d), start_s)
 
     def _cohort_run_recorded(
         self,
@@ -414,6 +462,7 @@ class Instance:
         horizon_s: float,
         on_finish: Callable[[Request], None],
         cols: StepColumns,
+        begin: Callable[[float, float, int], None] | None = None,
     ) -> float:
         ex, sched, kv = self.executor, self.scheduler, self.kv
         first = len(cols)
@@ -425,7 +474,7 @@ class Instance:
             if finished:
                 done.extend(finished)
 
-        t = sched.cohort_run(now, horizon_s, ex.decode_step_fn, step_done)
+        t = sched.cohort_run(now, horizon_s, ex.decode_step_fn, step_done, begin)
         durations = cols.durations_s
         if len(durations) > first:
             for i in range(first, len(durations)):  # the same sums, in the same order, as step by step
@@ -449,7 +498,10 @@ class Instance:
         done[i] = j
 
     def complete(self, outcome: StepOutcome, now: float) -> list[Request]:
-        return self.scheduler.update(outcome.plan, outcome.result, now)
+        plan = outcome.plan
+        if plan.__class__ is CohortStep:  # begun by cohort_run_begin
+            return self.scheduler.cohort_step_end(now)
+        return self.scheduler.update(plan, outcome.result, now)
 
     def _fail(self, reason: str, now: float) -> None:
         """The instance is dead (e.g. CUDA OOM): reject everything it holds with ``reason``."""

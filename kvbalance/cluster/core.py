@@ -167,8 +167,8 @@ class Cluster:
         loop = self.loop
 
         def horizon() -> float:
-            fronts = self.frontends
-            k = self.router.arrivals_elsewhere(fronts.index(m), len(fronts)) if m in fronts else None
+            i = self._front_pos.get(id(m))  # (by identity: a dataclass's == compares every field)
+            k = None if i is None else self.router.arrivals_elsewhere(i, len(self.frontends))
             if k is None:
                 own = self._next_arrival_s()
             else:
@@ -182,6 +182,7 @@ class Cluster:
     # -- roles ------------------------------------------------------------------
     def _refresh_roles(self) -> None:
         self.frontends = [m for m in self.members if m.role in ("colocated", "prefill")]
+        self._front_pos = {id(m): i for i, m in enumerate(self.frontends)}  # a member's place among them
         self.decoders = [m for m in self.members if m.role == "decode"]
 
     def set_role(self, m: Member, role: Role, reason: str = "") -> None:

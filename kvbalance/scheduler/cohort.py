@@ -198,19 +198,21 @@ class CohortScheduling:
         horizon_s: float,
         step_fn: Callable[[int], Callable[[int], float]],
         on_step: Callable[[float, float, int, list[Request]], None],
+        begin: Callable[[float, float, int], None] | None = None,
     ) -> float:
         """Run the steps from ``now`` that are the cohort's alone, each as :meth:`schedule` then :meth:`update`
         of its plan would (the members' new blocks in running order when it is planned, their fills and
         finishes when it ends), without a plan. ``step_fn(n)`` gives a step's duration from its members'
         context sum (``SimExecutor.decode_step_fn``); ``on_step(start_s, duration_s, members, finished)``
         follows each step. Stops before a step that would end at or after ``horizon_s`` and one whose new
-        blocks might need a preemption (both then go the planned way). Returns the time reached."""
+        blocks might need a preemption (both then go the planned way). Returns the time reached.
+
+        With ``begin``, the step that would end at or after ``horizon_s`` is begun instead, as :meth:`schedule`
+        would plan it (its new blocks allocated, unless they might need a preemption: then not) and
+        ``begin(start_s, duration_s, members)`` told; its end is :meth:`cohort_step_end`."""
         if not self.cohort_run_ready():
             return now
         cohort = self._cohort
-        buckets = self._buckets
-        bs = self.block_size
-        kv = self.kv
         running = RequestState.RUNNING
         t = now
         fn, fn_n = None, -1
@@ -222,16 +224,12 @@ class CohortScheduling:
             d = fn(self._cbase + n * (g + 1))
             end = t + d
             if not end < horizon_s:
+                if begin is not None and self._cohort_grow(g):
+                    self._step_decodes = 0
+                    begin(t, d, n)
                 break
-            bucket = buckets.get(g % bs)
-            if bucket:
-                grow = [m for m in bucket if m.c0 + g - m.g0 >= len(m.req.block_ids) * bs]
-                if grow:
-                    if len(grow) > kv.num_available_blocks:
-                        break
-                    for m in grow:  # one block each (a decode at a block's first position)
-                        if not kv.allocate_one(m.req):
-                            raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
+            if not self._cohort_grow(g):
+                break
             finished: list[Request] = []
             events, fins = self._advance(end)
             for m in events:
@@ -241,6 +239,35 @@ class CohortScheduling:
             on_step(t, d, n, finished)
             t = end
         return t
+
+    def _cohort_grow(self, g: int) -> bool:
+        """Allocate the new blocks of cohort step ``g`` (members at a block's first position, in running order);
+        False (nothing allocated): they might need a preemption."""
+        bs = self.block_size
+        bucket = self._buckets.get(g % bs)
+        if bucket:
+            grow = [m for m in bucket if m.c0 + g - m.g0 >= len(m.req.block_ids) * bs]
+            if grow:
+                kv = self.kv
+                if len(grow) > kv.num_available_blocks:
+                    return False
+                for m in grow:  # one block each (a decode at a block's first position)
+                    if not kv.allocate_one(m.req):
+                        raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
+        return True
+
+    def cohort_step_end(self, now: float) -> list[Request]:
+        """The end, at ``now``, of a step :meth:`cohort_run` began: what :meth:`update` does with its plan (the
+        members' fills and finishes in running order); returns the requests that finished."""
+        finished: list[Request] = []
+        if self._cohort:  # (members taken out while it ran are out of the lists)
+            events, fins = self._advance(now)
+            for m in events:
+                self._member_event(m, fins, now, finished)
+            if finished:
+                running = RequestState.RUNNING
+                self.running = [r for r in self.running if r.state is running]
+        return finished
 
     def _advance(self, now: float) -> tuple[list[_Member], list[_Member] | None]:
         """One cohort step done at ``now``: the members with an event, in running order, and those finishing."""

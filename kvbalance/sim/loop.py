@@ -162,11 +162,15 @@ class InstanceDriver:
         try:
             while True:
                 if cohort:
-                    t_run = inst.cohort_run(t, horizon, run_step, run_finish, cols)
+                    # the step that ends at or after the horizon begun without a plan if it is the cohort's
+                    t_run, outcome = inst.cohort_run_begin(t, horizon, run_step, run_finish, cols)
                     if t_run != t:
                         self.busy = True
                         self.run_end_s = t = t_run
-                outcome = inst.step(t)
+                    if outcome is None:
+                        outcome = inst.step(t)
+                else:
+                    outcome = inst.step(t)
                 if outcome is None:
                     self.busy = False
                     return
