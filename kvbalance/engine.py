@@ -119,6 +119,12 @@ class StepOutcome:
     start_s: float
 
 
+@dataclass
+class CohortChunkOutcome(StepOutcome):
+    """A step that is the decode cohort plus one prompt chunk, run by :meth:`Instance.step`'s fast path (executed
+    by ``SimExecutor.execute_cohort_chunk``, completed by ``Scheduler.cohort_chunk_end``)."""
+
+
 class Instance:
     def __init__(
         self,
@@ -148,6 +154,8 @@ class Instance:
         self.num_steps = 0
         self.busy_s = 0.0
         self.cohort_run_steps = 0  # of num_steps, those run by cohort_run(_begin) (no plan)
+        self.cohort_chunk_steps = 0  # of num_steps, the cohort plus one prompt chunk (step's fast path)
+        self._chunk_fast = False  # the executor runs those (execute_cohort_chunk): on with the cohort
         self._run_shapes: dict[int, DecodeRunStep] = {}  # cohort_run's plan stand-ins, per member count
         self._cohort_steps: dict[int, CohortStep] = {}  # cohort_run_begin's
         # a request must fit the pool it can always count on (lent blocks may be reclaimed)
@@ -256,6 +264,7 @@ class Instance:
             return False
         self.scheduler.enable_cohort(ex.decode_tokens)
         self.kv.enable_lazy_hashes()
+        self._chunk_fast = hasattr(ex, "execute_cohort_chunk")
         return True
 
     # -- stepping -----------------------------------------------------------------
@@ -266,6 +275,13 @@ class Instance:
                 return None
             self._pending_s += self._switch_reserve(elastic, now)
         plan = self.scheduler.schedule(now)
+        if self._chunk_fast and plan.cohort_seqs and len(plan.seqs) == 1 and plan.seqs[0].num_new_tokens > 1:
+            if not plan.kv_loads and not plan.kv_saves:  # the cohort plus one prompt chunk (no elastic here)
+                result = self.executor.execute_cohort_chunk(plan)
+                self.num_steps += 1
+                self.cohort_chunk_steps += 1
+                self.busy_s += result.duration_s
+                return CohortChunkOutcome(plan, result, now)
         if plan.is_empty:
             return None
         if elastic is not None:
@@ -501,6 +517,8 @@ class Instance:
         plan = outcome.plan
         if plan.__class__ is CohortStep:  # begun by cohort_run_begin
             return self.scheduler.cohort_step_end(now)
+        if outcome.__class__ is CohortChunkOutcome:  # step's fast path
+            return self.scheduler.cohort_chunk_end(plan, outcome.result, now)
         return self.scheduler.update(plan, outcome.result, now)
 
     def _fail(self, reason: str, now: float) -> None:

@@ -1,5 +1,5 @@
 """The decode cohort (scheduler/cohort.py), cohort runs (Instance.cohort_run), cohort-only steps begun without
-a plan (Instance.cohort_run_begin) and members running ahead of the clock (InstanceDriver.ahead) are exact: runs with
+a plan (Instance.cohort_run_begin), steps of the cohort plus one prompt chunk (Instance.step's fast path) and members running ahead of the clock (InstanceDriver.ahead) are exact: runs with
 them (KVBALANCE_SIM_FAST=1, decode runs off) give bit for bit the same summaries, per-request tokens, token
 times, block tables, step times and timelines as the step-by-step path (KVBALANCE_SIM_FAST=0): single instances
 under Sarathi and vLLM scheduling, with prefix-cache hits, preemptions, requests only a stop token or logprobs
@@ -135,13 +135,14 @@ def _preempt_if_running(cluster, req) -> None:
             m.instance.scheduler.preempt(req)
 
 
-def _runs(monkeypatch, fast: str) -> tuple[list[str], int, int]:
+def _runs(monkeypatch, fast: str) -> tuple[list[str], int, int, int]:
     monkeypatch.setenv("KVBALANCE_SIM_FAST", fast)
     monkeypatch.setenv("KVBALANCE_SIM_DECODE_RUNS", "0")
     import kvbalance.engine as engine
 
-    steps = {"cohort": 0, "crossing": 0}
+    steps = {"cohort": 0, "crossing": 0, "chunk": 0}
     real = engine.Instance.cohort_run
+    real_step = engine.Instance.step
     real_begin = engine.Instance.cohort_run_begin
 
     def counting_begin(self, *a, **k):
@@ -157,19 +158,29 @@ def _runs(monkeypatch, fast: str) -> tuple[list[str], int, int]:
         steps["cohort"] += self.cohort_run_steps - before
         return t
 
+    def counting_step(self, *a, **k):
+        before = self.cohort_chunk_steps
+        outcome = real_step(self, *a, **k)
+        steps["chunk"] += self.cohort_chunk_steps - before
+        return outcome
+
     monkeypatch.setattr(engine.Instance, "cohort_run", counting)
     monkeypatch.setattr(engine.Instance, "cohort_run_begin", counting_begin)
+    monkeypatch.setattr(engine.Instance, "step", counting_step)
     out = _single_runs() + _cluster_runs()
-    return out, steps["cohort"], steps["crossing"]
+    return out, steps["cohort"], steps["crossing"], steps["chunk"]
 
 
 def test_the_decode_cohort_gives_the_step_by_step_results_bit_for_bit(monkeypatch):
-    on, cohort_steps, crossing = _runs(monkeypatch, "1")
-    off, off_steps, off_crossing = _runs(monkeypatch, "0")
+    on, cohort_steps, crossing, chunk = _runs(monkeypatch, "1")
+    off, off_steps, off_crossing, off_chunk = _runs(monkeypatch, "0")
     assert cohort_steps > 1000 and off_steps == 0  # the fast paths under test ran (and only with them on)
     # cohort-only steps that end past a member's horizon (the next arrival) begun without a plan, their end
     # an event of its own (Instance.cohort_run_begin, Scheduler.cohort_step_end)
     assert crossing > 100 and off_crossing == 0
+    # steps that are the cohort plus one prompt chunk, executed and applied without the general path
+    # (Instance.step's fast path: SimExecutor.execute_cohort_chunk, Scheduler.cohort_chunk_end)
+    assert chunk > 100 and off_chunk == 0
     assert len(on) == len(off)
     for i, (a, b) in enumerate(zip(on, off)):
         assert a == b, f"output {i} differs"

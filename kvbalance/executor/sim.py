@@ -166,6 +166,28 @@ class SimExecutor:
             return list(range(base + lo, base + lo + count))
         return [base + ((first_context_len + k) & _POS_MASK) for k in range(count)]
 
+    def execute_cohort_chunk(self, plan: BatchPlan) -> StepResult:
+        """:meth:`execute` of a plan that is the decode cohort plus one prompt chunk of two or more tokens and no
+        transfers (``Instance.step``'s fast path): the breakdown from ``CostModel.cohort_chunk_step`` (no shape
+        key: the cohort's context sum rarely repeats; a cached shape would give the same breakdown), the chunk's
+        sample if it has one; the same result."""
+        breakdown = self.cost_model.cohort_chunk_step(plan)
+        compute_s = breakdown_total_s(breakdown)
+        breakdown.transfer_s = max(0.0, 0.0 - compute_s) if self.overlap_transfers else 0.0
+        duration = compute_s + breakdown.transfer_s
+        sampled = {}
+        s = plan.seqs[0]
+        if s.sample:
+            rid = s.request.request_id
+            base = self._standin_base.get(rid)
+            if base is None:
+                base = self._standin_base[rid] = standin_token(rid, 0)
+            sampled[rid] = base + ((s.start + s.num_new_tokens) & _POS_MASK)
+        self.num_steps += 1
+        self.busy_s += duration
+        return StepResult(duration_s=duration, sampled=sampled, finished_loads=[], finished_saves=[],
+                          breakdown=breakdown)  # fmt: skip
+
     def execute(self, plan: BatchPlan) -> StepResult:
         breakdown = self.predict(plan)
         compute_s = breakdown_total_s(breakdown)

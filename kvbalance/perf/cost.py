@@ -800,6 +800,29 @@ class CostModel:
         shape = plan_shape(plan)
         return self.step_tallied(shape[0], shape_tally(shape))
 
+    def cohort_chunk_step(self, plan: BatchPlan) -> StepBreakdown:
+        """:meth:`predict` of a plan that is the decode cohort (``cohort_seqs``, ``cohort_context``) plus one prompt
+        chunk of two or more tokens (``plan.seqs[0]``): :func:`plan_shape`'s and :func:`shape_tally`'s sums built
+        from the counts and the chunk alone (the same integers and floats, in the same order), no shape tuple."""
+        if self._step_memo is None:
+            return self.predict(plan)
+        s = plan.seqs[0]
+        n = s.num_new_tokens
+        ctx = s.start + n
+        c = plan.cohort_seqs
+        return self.step_tallied(
+            1 + c,
+            (
+                n + c,
+                (1 if s.sample else 0) + c,
+                0 + n,
+                0 + ctx,
+                0.0 + (n * (ctx - n) + n * (n + 1) / 2),
+                0 + c,
+                0 + plan.cohort_context,
+            ),
+        )
+
     def step_time(self, plan: BatchPlan) -> float:
         return breakdown_total_s(self.predict(plan))
 

@@ -387,6 +387,65 @@ class CohortScheduling:
             budget -= n
         return budget
 
+    def cohort_chunk_end(self, plan: BatchPlan, result: StepResult, now: float) -> list[Request]:
+        """:meth:`_cohort_update` of a plan that is the cohort plus one prompt chunk of two or more tokens (no other
+        decodes, no transfers; ``Instance.step``'s fast path): the members' fills and finishes in running order,
+        then the chunk's tokens, its sample, its filled blocks, its finish or its joining."""
+        finished: list[Request] = []
+        if self._cohort:  # (members taken out while it ran are out of the lists)
+            events, fins = self._advance(now)
+            for m in events:
+                self._member_event(m, fins, now, finished)
+        s = plan.seqs[0]
+        req = s.request
+        running = RequestState.RUNNING
+        if req.state is not running:  # aborted while the step ran
+            if finished:
+                self.running = [r for r in self.running if r.state is running]
+            return finished
+        n = s.num_new_tokens
+        computed = req.num_computed_tokens = req.num_computed_tokens + n
+        reason = None
+        join = False
+        if s.sample:
+            rid = req.request_id
+            token = result.sampled[rid]
+            out = req.output_token_ids
+            out.append(token)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            req.token_times_s.append(now)
+            sp = req.sampling
+            if sp.logprobs is not None and rid in result.logprobs:
+                req.output_logprobs.append(result.logprobs[rid])
+            if sp.stop_token_ids or (not sp.ignore_eos and req.eos_token_id is not None):
+                reason = self._stop_reason(req, token)
+            elif len(out) >= sp.max_tokens:  # _stop_reason's length rule, for a request no token stops
+                reason = "length"
+            elif sp.logprobs is None:
+                join = True
+        bs = self.block_size
+        if self.cache is not None and computed // bs > (computed - n) // bs:  # a block filled: publish it
+            self.kv.cache_full_blocks(req)
+        others_changed = False
+        if reason is not None:
+            self._release(req, finished=True)
+            req.state = RequestState.FINISHED
+            req.finish_reason = reason
+            req.finish_s = now
+            finished.append(req)
+            self._pos.pop(req.request_id, None)
+            others_changed = True
+        if finished:
+            self.running = [r for r in self.running if r.state is running]
+        if join and req.state is running:
+            self._join(req)
+            others_changed = True
+        if others_changed and self._others is not None:
+            cohort = self._cohort
+            self._others = [r for r in self._others if r.state is running and r.request_id not in cohort]
+        return finished
+
     def _cohort_update(self, plan: BatchPlan, result: StepResult, now: float) -> list[Request]:
         """:meth:`Scheduler.update` with the cohort: members' block fills and finishes in running order among
         the other decodes, then the prompt chunks; requests that sampled join."""
