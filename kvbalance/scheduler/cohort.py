@@ -403,37 +403,10 @@ class CohortScheduling:
             if finished:
                 self.running = [r for r in self.running if r.state is running]
             return finished
-        n = s.num_new_tokens
-        computed = req.num_computed_tokens = req.num_computed_tokens + n
-        reason = None
-        join = False
-        if s.sample:
-            rid = req.request_id
-            token = result.sampled[rid]
-            out = req.output_token_ids
-            out.append(token)
-            if req.first_token_s is None:
-                req.first_token_s = now
-            req.token_times_s.append(now)
-            sp = req.sampling
-            if sp.logprobs is not None and rid in result.logprobs:
-                req.output_logprobs.append(result.logprobs[rid])
-            if sp.stop_token_ids or (not sp.ignore_eos and req.eos_token_id is not None):
-                reason = self._stop_reason(req, token)
-            elif len(out) >= sp.max_tokens:  # _stop_reason's length rule, for a request no token stops
-                reason = "length"
-            elif sp.logprobs is None:
-                join = True
-        bs = self.block_size
-        if self.cache is not None and computed // bs > (computed - n) // bs:  # a block filled: publish it
-            self.kv.cache_full_blocks(req)
+        reason, join = self._apply_seq(s, result, now)
         others_changed = False
         if reason is not None:
-            self._release(req, finished=True)
-            req.state = RequestState.FINISHED
-            req.finish_reason = reason
-            req.finish_s = now
-            finished.append(req)
+            self._finish_step(req, reason, now, finished)
             self._pos.pop(req.request_id, None)
             others_changed = True
         if finished:
@@ -450,10 +423,6 @@ class CohortScheduling:
         """:meth:`Scheduler.update` with the cohort: members' block fills and finishes in running order among
         the other decodes, then the prompt chunks; requests that sampled join."""
         finished: list[Request] = []
-        kv = self.kv
-        caching = self.cache is not None
-        bs = self.block_size
-        sampled = result.sampled
         running = RequestState.RUNNING
         if result.finished_loads or result.finished_saves:
             self._apply_transfers(result.finished_loads, result.finished_saves)
@@ -483,35 +452,11 @@ class CohortScheduling:
             req = s.request
             if req.state is not running:
                 continue  # aborted while the step ran
-            n = s.num_new_tokens
-            computed = req.num_computed_tokens = req.num_computed_tokens + n
-            reason = None
-            if s.sample:
-                rid = req.request_id
-                token = sampled[rid]
-                out = req.output_token_ids
-                out.append(token)
-                if req.first_token_s is None:
-                    req.first_token_s = now
-                req.token_times_s.append(now)
-                sp = req.sampling
-                if sp.logprobs is not None and rid in result.logprobs:
-                    req.output_logprobs.append(result.logprobs[rid])
-                if sp.stop_token_ids or (not sp.ignore_eos and req.eos_token_id is not None):
-                    reason = self._stop_reason(req, token)
-                elif len(out) >= sp.max_tokens:  # _stop_reason's length rule, for a request no token stops
-                    reason = "length"
-                elif sp.logprobs is None:
-                    join.append(req)
-            # a block filled up in this step: publish it (the cached path always reaches the last full block)
-            if caching and computed // bs > (computed - n) // bs:
-                kv.cache_full_blocks(req)
+            reason, plain = self._apply_seq(s, result, now)
+            if plain:
+                join.append(req)
             if reason is not None:
-                self._release(req, finished=True)
-                req.state = RequestState.FINISHED
-                req.finish_reason = reason
-                req.finish_s = now
-                finished.append(req)
+                self._finish_step(req, reason, now, finished)
                 self._pos.pop(req.request_id, None)
                 others_changed = True
         if finished:

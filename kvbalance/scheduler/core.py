@@ -281,10 +281,6 @@ class Scheduler(RequestControl, CohortScheduling):
         if self._cohort is not None:
             return self._cohort_update(plan, result, now)
         finished: list[Request] = []
-        kv = self.kv
-        caching = self.cache is not None
-        bs = self.block_size
-        sampled = result.sampled
         running = RequestState.RUNNING
         if result.finished_loads or result.finished_saves:
             self._apply_transfers(result.finished_loads, result.finished_saves)
@@ -292,36 +288,52 @@ class Scheduler(RequestControl, CohortScheduling):
             req = s.request
             if req.state is not running:
                 continue  # aborted while the step ran
-            n = s.num_new_tokens
-            computed = req.num_computed_tokens = req.num_computed_tokens + n
-            reason = None
-            if s.sample:
-                rid = req.request_id
-                token = sampled[rid]
-                out = req.output_token_ids
-                out.append(token)
-                if req.first_token_s is None:
-                    req.first_token_s = now
-                req.token_times_s.append(now)
-                sp = req.sampling
-                if sp.logprobs is not None and rid in result.logprobs:
-                    req.output_logprobs.append(result.logprobs[rid])
-                if sp.stop_token_ids or (not sp.ignore_eos and req.eos_token_id is not None):
-                    reason = self._stop_reason(req, token)
-                elif len(out) >= sp.max_tokens:  # _stop_reason's length rule, for a request no token stops
-                    reason = "length"
-            # a block filled up in this step: publish it (the cached path always reaches the last full block)
-            if caching and computed // bs > (computed - n) // bs:
-                kv.cache_full_blocks(req)
+            reason = self._apply_seq(s, result, now)[0]
             if reason is not None:
-                self._release(req, finished=True)
-                req.state = RequestState.FINISHED
-                req.finish_reason = reason
-                req.finish_s = now
-                finished.append(req)
+                self._finish_step(req, reason, now, finished)
         if finished:
             self.running = [r for r in self.running if r.state is running]
         return finished
+
+    def _apply_seq(self, s: ScheduledSeq, result: StepResult, now: float) -> tuple[str | None, bool]:
+        """Apply one executed sequence of a running request: its computed tokens, its sampled token (token time,
+        logprobs, stop rule), a block it filled published. Returns (its stop reason, None if it goes on;
+        whether it sampled and goes on with only the length rule able to stop it: a decode cohort may take it)."""
+        req = s.request
+        n = s.num_new_tokens
+        computed = req.num_computed_tokens = req.num_computed_tokens + n
+        reason = None
+        plain = False
+        if s.sample:
+            rid = req.request_id
+            token = result.sampled[rid]
+            out = req.output_token_ids
+            out.append(token)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            req.token_times_s.append(now)
+            sp = req.sampling
+            if sp.logprobs is not None and rid in result.logprobs:
+                req.output_logprobs.append(result.logprobs[rid])
+            if sp.stop_token_ids or (not sp.ignore_eos and req.eos_token_id is not None):
+                reason = self._stop_reason(req, token)
+            elif len(out) >= sp.max_tokens:  # _stop_reason's length rule, for a request no token stops
+                reason = "length"
+            else:
+                plain = sp.logprobs is None
+        # a block filled up in this step: publish it (the cached path always reaches the last full block)
+        bs = self.block_size
+        if self.cache is not None and computed // bs > (computed - n) // bs:
+            self.kv.cache_full_blocks(req)
+        return reason, plain
+
+    def _finish_step(self, req: Request, reason: str, now: float, finished: list[Request]) -> None:
+        """``req`` stopped in the step that ended at ``now``: its blocks go, it is finished with ``reason``."""
+        self._release(req, finished=True)
+        req.state = RequestState.FINISHED
+        req.finish_reason = reason
+        req.finish_s = now
+        finished.append(req)
 
     def _apply_transfers(self, finished_loads: list[str], finished_saves: list[str]) -> None:
         """The worker half reported transfers done: loaded requests become runnable, held blocks go."""
