@@ -484,24 +484,14 @@ class CostModel:
             fx = self._tally_fixed(key)
         (compute_s, memory_s, flops, num_bytes, overhead_s, work, pre_t, dec_t, post_c, post_m, post_f, post_b,
          lm, launch, comm_s) = fx  # fmt: skip
-        if pre_t is not None:
-            # _op_terms of OpCount("attn_prefill", ATTENTION, a_flops, a_bytes, pre_tokens, repeat=L), its FLOP-
-            # and byte-free factors memoised: compute_time_s and memory_time_s's operations in the same order
-            k_flops, kvl, q_bytes, mem_half, L, r, c_num, c_den, m_den = pre_t
-            a_flops = k_flops * pre_pairs
-            a_bytes = pre_ctx * kvl + q_bytes
-            c = a_flops * c_num / c_den if a_flops > 0 else 0.0
-            mem = (a_bytes + mem_half) / m_den if a_bytes > 0 else 0.0
-            if c > mem:
-                compute_s += c * r
-            else:
-                memory_s += mem * r
-            flops += a_flops * L
-            num_bytes += a_bytes * L
-        if dec_t is not None:
-            k_flops, kvl, q_bytes, mem_half, L, r, c_num, c_den, m_den = dec_t
-            a_flops = k_flops * dec_ctx
-            a_bytes = dec_ctx * kvl + q_bytes
+        # _op_terms of OpCount("attn_prefill" / "attn_decode", ATTENTION, a_flops, a_bytes, ..., repeat=L), their
+        # FLOP- and byte-free factors memoised: compute_time_s and memory_time_s's operations in the same order
+        for t, pairs, ctx in ((pre_t, pre_pairs, pre_ctx), (dec_t, dec_ctx, dec_ctx)):
+            if t is None:
+                continue
+            k_flops, kvl, q_bytes, mem_half, L, r, c_num, c_den, m_den = t
+            a_flops = k_flops * pairs
+            a_bytes = ctx * kvl + q_bytes
             c = a_flops * c_num / c_den if a_flops > 0 else 0.0
             mem = (a_bytes + mem_half) / m_den if a_bytes > 0 else 0.0
             if c > mem:
