@@ -232,8 +232,10 @@ class ResidentDrain:
             return 0.0
         return self.cluster.topology.transfer_s(nbytes, b.src.gpus, b.dst.gpus)
 
-    def _stage(self, b: DrainBatch) -> None:
-        """Reserve each resident's computed blocks on the destination and copy the dirty ones."""
+    def _reserve_all(self, b: DrainBatch, mark_clean: bool) -> int | None:
+        """Drop the residents that left or no longer fit the destination, reserve the others' computed blocks
+        there and return how many of those are dirty (``mark_clean``: then count them as copied); None when
+        none is left (the batch has ended)."""
         dirty = 0
         for rid, r in list(b.reqs.items()):
             reason = self._gone(b, r)
@@ -243,9 +245,17 @@ class ResidentDrain:
                 self._drop(b, rid, reason)
                 continue
             dirty += self._blocks(b, r) - b.clean.get(rid, 0)
-            b.clean[rid] = r.num_computed_tokens // b.src.instance.pool.block_size
+            if mark_clean:
+                b.clean[rid] = r.num_computed_tokens // b.src.instance.pool.block_size
         if not b.reqs:
             self._end(b)
+            return None
+        return dirty
+
+    def _stage(self, b: DrainBatch) -> None:
+        """Reserve each resident's computed blocks on the destination and copy the dirty ones."""
+        dirty = self._reserve_all(b, mark_clean=True)
+        if dirty is None:
             return
         b.stage_blocks.append(dirty)
         now = self.cluster.loop.now
@@ -283,17 +293,8 @@ class ResidentDrain:
             self._stop(b)
 
     def _stop(self, b: DrainBatch) -> None:
-        final = 0
-        for rid, r in list(b.reqs.items()):
-            reason = self._gone(b, r)
-            if reason is None and not self._reserve(b, r):
-                reason = "dst_out_of_blocks"
-            if reason is not None:
-                self._drop(b, rid, reason)
-                continue
-            final += self._blocks(b, r) - b.clean.get(rid, 0)
-        if not b.reqs:
-            self._end(b)
+        final = self._reserve_all(b, mark_clean=False)
+        if final is None:
             return
         now = self.cluster.loop.now
         b.state, b.stop_s, b.final_blocks = FINAL, now, final
