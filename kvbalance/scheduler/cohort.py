@@ -369,23 +369,7 @@ class CohortScheduling:
             plan.cohort_seqs = n
             plan.cohort_context = self._cbase + n * (self._g + 1)
             budget -= n
-        for req in prefills:
-            if budget <= 0:
-                break
-            if preempted != self.num_preemptions and req.state is not running:
-                continue  # preempted earlier in this step
-            computed = req.num_computed_tokens
-            total = req._num_prompt + len(req.output_token_ids)
-            n = total - computed
-            if n > budget:
-                n = budget
-            if computed + n > len(req.block_ids) * bs:  # needs new blocks
-                n = self._grow(req, computed, n, seqs, first)
-                if n <= 0:
-                    continue
-            seqs.append(ScheduledSeq(req, computed, n, computed + n == total))
-            budget -= n
-        return budget
+        return self._schedule_prefills(prefills, seqs, budget, first, preempted)
 
     def cohort_chunk_end(self, plan: BatchPlan, result: StepResult, now: float) -> list[Request]:
         """:meth:`_cohort_update` of a plan that is the cohort plus one prompt chunk of two or more tokens (no other

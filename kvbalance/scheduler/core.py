@@ -171,6 +171,16 @@ class Scheduler(RequestControl, CohortScheduling):
                 continue
             seqs.append(ScheduledSeq(req, computed, 1, True))
             budget -= 1
+        return self._schedule_prefills(prefills, seqs, budget, first, preempted)
+
+    def _schedule_prefills(
+        self, prefills: list[Request], seqs: list[ScheduledSeq], budget: int, first: int, preempted: int
+    ) -> int:
+        """:meth:`schedule_running`'s second half: prefill chunks (and recomputes) of running requests within
+        ``budget``, in order; ``seqs[first:]`` are this step's, ``preempted`` the preemption count it began with.
+        Returns the budget left."""
+        bs = self.block_size
+        running = RequestState.RUNNING
         for req in prefills:
             if budget <= 0:
                 break
