@@ -203,6 +203,29 @@ class KVCacheManager:
         req.block_ids.extend(pool.allocate(1))
         return True
 
+    def allocate_one_each(self, reqs: list[Request]) -> None:
+        """:meth:`allocate_one` for each of ``reqs`` in order (each a decode at a block's first position), the
+        caller having checked that they fit (``num_available_blocks``); the same blocks in the same order."""
+        pool = self.pool
+        cache = self.cache
+        if type(pool) is not BlockPool or cache is None:
+            for req in reqs:
+                if not self.allocate_one(req):
+                    raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
+            return
+        free, ref = pool._free, pool._ref  # (the plain pool's stack: what allocate(1) takes, inline)
+        for req in reqs:
+            if free:
+                b = free.pop()
+                ref[b] = 1
+                req.block_ids.append(b)
+                continue
+            b = cache.take_lru_tail()
+            if b is not None:
+                req.block_ids.append(b)
+            elif not self.allocate_one(req):
+                raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
+
     def reserve(self, num_blocks: int, keep_available: int = 0) -> list[int] | None:
         """``num_blocks`` blocks for KV arriving from outside before its request does (a live migration's
         destination), evicting unreferenced cached blocks if needed, while ``keep_available`` blocks stay
@@ -262,27 +285,31 @@ class KVCacheManager:
         # where another request cached a block first, the cache keeps its copy and req keeps its own
         self._paths[rid] = (node, full)
 
-    def defer_full_block(self, req: Request, flush) -> bool:
+    def defer_full_block(self, req: Request, flush) -> list | None:
         """Instead of :meth:`cache_full_blocks` for a block ``req`` just filled, note it and publish it later
         (``flush`` then: it brings ``req``'s tokens up to date and calls :meth:`publish_deferred`), the cache
         ending exactly as if it had been published now; False (nothing done) unless ``req``'s cached path ends
         at a leaf only it uses (lazy hashes on). Anything that reads that leaf or ``req``'s cached blocks first
-        publishes them: a lookup reaching the leaf, a split, :meth:`free`, :meth:`detach`, the checks."""
+        publishes them: a lookup reaching the leaf, a split, :meth:`free`, :meth:`detach`, the checks.
+
+        Returns the note, ``[leaf, blocks noted, tick of the last]`` (None: nothing done). While its leaf is not
+        None (:meth:`publish_deferred` clears it), a later fill of the same request's next block may be noted on
+        it directly, as this method would: ``note[1] += 1; note[2] = cache.take_tick()``."""
         rid = req.request_id
         d = self._deferred.get(rid)
         cache = self.cache
         if d is None:
             path = self._paths.get(rid)
             if not self._lazy or path is None:
-                return False
+                return None
             node = path[0]
             if node.children or node.lock_ref != 1 or node.tokens is None:
-                return False
+                return None
             d = self._deferred[rid] = [node, 0, 0]
             node.flush = flush
         d[1] += 1
         d[2] = cache.take_tick()
-        return True
+        return d
 
     def publish_deferred(self, req: Request) -> None:
         """Publish the blocks :meth:`defer_full_block` noted for ``req`` (its tokens up to date)."""
@@ -290,6 +317,7 @@ class KVCacheManager:
         if d is None:
             return
         node, count, tick = d
+        d[0] = None  # the note is spent (defer_full_block)
         node.flush = None
         rid = req.request_id
         have = self._paths[rid][1]

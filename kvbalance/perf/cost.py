@@ -405,9 +405,13 @@ class CostModel:
         ``num_seqs``; the same float operations in the same order, so the same value to the last bit), for the
         simulator's decode cohort (``Instance.cohort_run``), which asks it once per step."""
         fn = self._decode_fns.get(num_seqs)
-        if fn is not None:
-            return fn
-        n = num_seqs
+        if fn is None:
+            fn = self._build_decode_fn(num_seqs)
+        return fn
+
+    def _build_decode_fn(self, n: int) -> Callable[[int], float]:
+        """:meth:`decode_step_fn`'s function for ``n`` sequences, built and memoised (a function of its own: the
+        closure's cells cost every call of the function that makes them, memo hits included)."""
         if self._step_memo is None or n < 1:
 
             def fn(ctx: int) -> float:

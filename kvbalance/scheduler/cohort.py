@@ -38,7 +38,7 @@ class _Member:
     """A request of the cohort: it joined at cohort step ``g0`` with ``c0`` computed tokens and ``o0`` outputs;
     its lists are written up to step ``done``; ``pos`` is its place in the running order."""
 
-    __slots__ = ("req", "rid", "c0", "o0", "g0", "done", "pos", "key", "flush")
+    __slots__ = ("req", "rid", "c0", "o0", "g0", "done", "pos", "key", "flush", "note")
 
     def __init__(self, req: Request, g: int, pos: int, block_size: int) -> None:
         self.req = req
@@ -49,6 +49,7 @@ class _Member:
         self.pos = pos
         self.key = (g - self.c0) % block_size  # its position is a block's first at steps g = key (mod bs)
         self.flush = None  # publishes its filled blocks, deferred (KVCacheManager.defer_full_block)
+        self.note = None  # that deferral's note, while live (its leaf not None): later fills counted on it
 
     def __lt__(self, other: _Member) -> bool:
         return self.pos < other.pos
@@ -232,10 +233,14 @@ class CohortScheduling:
                 break
             finished: list[Request] = []
             events, fins = self._advance(end)
-            for m in events:
-                self._member_event(m, fins, end, finished)
-            if finished:
-                self.running = [r for r in self.running if r.state is running]
+            if fins is None:
+                if events:
+                    self._fills(events)
+            else:
+                for m in events:
+                    self._member_event(m, fins, end, finished)
+                if finished:
+                    self.running = [r for r in self.running if r.state is running]
             on_step(t, d, n, finished)
             t = end
         return t
@@ -246,14 +251,12 @@ class CohortScheduling:
         bs = self.block_size
         bucket = self._buckets.get(g % bs)
         if bucket:
-            grow = [m for m in bucket if m.c0 + g - m.g0 >= len(m.req.block_ids) * bs]
+            grow = [m.req for m in bucket if m.c0 + g - m.g0 >= len(m.req.block_ids) * bs]
             if grow:
                 kv = self.kv
                 if len(grow) > kv.num_available_blocks:
                     return False
-                for m in grow:  # one block each (a decode at a block's first position)
-                    if not kv.allocate_one(m.req):
-                        raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
+                kv.allocate_one_each(grow)  # one block each (a decode at a block's first position)
         return True
 
     def cohort_step_end(self, now: float) -> list[Request]:
@@ -262,6 +265,10 @@ class CohortScheduling:
         finished: list[Request] = []
         if self._cohort:  # (members taken out while it ran are out of the lists)
             events, fins = self._advance(now)
+            if fins is None:
+                if events:
+                    self._fills(events)
+                return finished
             for m in events:
                 self._member_event(m, fins, now, finished)
             if finished:
@@ -289,7 +296,8 @@ class CohortScheduling:
         req = m.req
         if self.cache is not None and (m.c0 + self._g - m.g0) % self.block_size == 0:  # a block filled
             # published now, or noted and published when something reads it (the same cache in the end)
-            if not self.kv.defer_full_block(req, m.flush):
+            m.note = self.kv.defer_full_block(req, m.flush)
+            if m.note is None:
                 self._catch_up(m, self._g)
                 self.kv.cache_full_blocks(req)
         if fins is not None and m in fins:
@@ -302,6 +310,18 @@ class CohortScheduling:
             req.finish_reason = "length"
             req.finish_s = now
             finished.append(req)
+
+    def _fills(self, members: list[_Member]) -> None:
+        """:meth:`_member_event` of each of ``members`` (in running order) at a step where none finishes: each
+        filled a block; one whose deferral is live counts it on its note (what ``defer_full_block`` does)."""
+        tick = self.kv.cache.take_tick
+        for m in members:
+            note = m.note
+            if note is not None and note[0] is not None:
+                note[1] += 1
+                note[2] = tick()
+            else:
+                self._member_event(m, None, 0.0, [])
 
     # -- a step ----------------------------------------------------------------------------------
     def _cohort_schedule_running(self, plan: BatchPlan, budget: int) -> int:
@@ -338,9 +358,8 @@ class CohortScheduling:
         running = RequestState.RUNNING
         kv = self.kv
         if not decodes:  # the usual step: the members' new blocks, in running order
-            for m in grow:
-                if not kv.allocate_one(m.req):  # its decode is a block's first token
-                    raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
+            if grow:
+                kv.allocate_one_each([m.req for m in grow])  # each decode is a block's first token
             order = ()
         elif grow:  # both in running order
             pos = self._pos
