@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Sequence
 from dataclasses import replace
 
 from kvbalance.batch import BatchPlan, KVTransfer, StepResult
@@ -155,15 +156,15 @@ class SimExecutor:
         self.num_steps += 1
         self.busy_s += duration_s
 
-    def decode_tokens(self, request_id: str, first_context_len: int, count: int) -> list[int]:
+    def decode_tokens(self, request_id: str, first_context_len: int, count: int) -> Sequence[int]:
         """The stand-in tokens :meth:`execute` samples for ``request_id`` over ``count`` decode steps, the first
-        at context length ``first_context_len``."""
+        at context length ``first_context_len`` (a ``range`` where they are consecutive: callers extend a list)."""
         base = self._standin_base.get(request_id)
         if base is None:
             base = self._standin_base[request_id] = standin_token(request_id, 0)
         lo = first_context_len & _POS_MASK
         if lo + count <= _POS_MASK + 1:
-            return list(range(base + lo, base + lo + count))
+            return range(base + lo, base + lo + count)
         return [base + ((first_context_len + k) & _POS_MASK) for k in range(count)]
 
     def execute_cohort_chunk(self, plan: BatchPlan) -> StepResult:

@@ -28,7 +28,7 @@ enables it for an executor that takes cohort plans, where nothing reads requests
 from __future__ import annotations
 
 from bisect import insort
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvbalance.batch import BatchPlan, ScheduledSeq, StepResult
 from kvbalance.request import Request, RequestState
@@ -60,7 +60,7 @@ class CohortScheduling:
 
     _cohort: dict[str, _Member] | None
 
-    def enable_cohort(self, tokens: Callable[[str, int, int], list[int]]) -> None:
+    def enable_cohort(self, tokens: Callable[[str, int, int], Sequence[int]]) -> None:
         """Turn the cohort on. ``tokens(request_id, first_context_len, count)``: the tokens a step-by-step run
         samples over ``count`` decode steps (``SimExecutor.decode_tokens``)."""
         if self._cohort is not None:
