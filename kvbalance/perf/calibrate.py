@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import optimize
 
 from kvbalance.perf.cost import ATTENTION, OP_NAMES, CostModel, SeqWork, curve_eff
 from kvbalance.perf.kernels import wave_rows
@@ -162,6 +161,8 @@ def nelder_mead(
     simplex = np.vstack([x0, x0 + step * np.eye(x0.size)])
     # SciPy counts the start simplex as its first iteration
     options = {"initial_simplex": simplex, "maxiter": max_iter + 1, "xatol": xtol, "fatol": ftol}
+    from scipy import optimize  # (imported here: half a second that every simulation would pay at start)
+
     res = optimize.minimize(f, x0, method="Nelder-Mead", options=options)
     return res.x, float(res.fun)
 
