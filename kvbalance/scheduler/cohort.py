@@ -397,8 +397,12 @@ class CohortScheduling:
         finished: list[Request] = []
         if self._cohort:  # (members taken out while it ran are out of the lists)
             events, fins = self._advance(now)
-            for m in events:
-                self._member_event(m, fins, now, finished)
+            if fins is None:
+                if events:
+                    self._fills(events)
+            else:
+                for m in events:
+                    self._member_event(m, fins, now, finished)
         s = plan.seqs[0]
         req = s.request
         running = RequestState.RUNNING
