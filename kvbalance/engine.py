@@ -418,14 +418,16 @@ class Instance:
         on_step: Callable[[StepOutcome, float], None],
         on_finish: Callable[[Request], None],
         columns: StepColumns | None = None,
+        cross: Callable[[float, float, int], float | None] | None = None,
     ) -> tuple[float, StepOutcome | None]:
         """:meth:`cohort_run`, then the step that would end at or after ``horizon_s`` begun where it is the
         cohort's alone, as :meth:`step` would begin it but without a plan (its new blocks allocated, its time
         from ``decode_step_fn``, the same as ``execute``'s): returns the time reached and that step's outcome
         (``outcome.plan`` a ``CohortStep``, ``outcome.result`` a ``RunStepResult``; :meth:`complete` ends it,
-        ``Scheduler.cohort_step_end``). None: none begun; :meth:`step` plans the next step."""
+        ``Scheduler.cohort_step_end``). None: none begun; :meth:`step` plans the next step. ``cross``: asked
+        before beginning that step whether to run it and go on to a later horizon (``Scheduler.cohort_run``)."""
         begun: list[tuple[float, float, int]] = []
-        t = self._cohort_run(now, horizon_s, on_step, on_finish, columns, lambda *a: begun.append(a))
+        t = self._cohort_run(now, horizon_s, on_step, on_finish, columns, lambda *a: begun.append(a), cross)
         if not begun:
             return t, None
         start_s, d, n = begun[0]
@@ -439,12 +441,13 @@ class Instance:
         on_finish: Callable[[Request], None],
         columns: StepColumns | None,
         begin: Callable[[float, float, int], None] | None,
+        cross: Callable[[float, float, int], float | None] | None = None,
     ) -> float:
         if self.elastic is not None or self.failed:
             return now
         ex = self.executor
         if columns is not None:
-            return self._cohort_run_recorded(now, horizon_s, on_finish, columns, begin)
+            return self._cohort_run_recorded(now, horizon_s, on_finish, columns, begin, cross)
         shapes = self._run_shapes
 
         def step_done(start_s: float, d: float, n: int, finished: list[Request]) -> None:
@@ -459,7 +462,7 @@ class Instance:
             for req in finished:
                 on_finish(req)
 
-        return self.scheduler.cohort_run(now, horizon_s, ex.decode_step_fn, step_done, begin)
+        return self.scheduler.cohort_run(now, horizon_s, ex.decode_step_fn, step_done, begin, cross)
 
     def _begun(self, start_s: float, d: float, n: int) -> StepOutcome:
         """Account a cohort-only step begun at ``start_s`` (as :meth:`step` does) and give its outcome."""
@@ -479,6 +482,7 @@ class Instance:
         on_finish: Callable[[Request], None],
         cols: StepColumns,
         begin: Callable[[float, float, int], None] | None = None,
+        cross: Callable[[float, float, int], float | None] | None = None,
     ) -> float:
         ex, sched, kv = self.executor, self.scheduler, self.kv
         first = len(cols)
@@ -490,7 +494,7 @@ class Instance:
             if finished:
                 done.extend(finished)
 
-        t = sched.cohort_run(now, horizon_s, ex.decode_step_fn, step_done, begin)
+        t = sched.cohort_run(now, horizon_s, ex.decode_step_fn, step_done, begin, cross)
         durations = cols.durations_s
         if len(durations) > first:
             for i in range(first, len(durations)):  # the same sums, in the same order, as step by step

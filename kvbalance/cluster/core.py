@@ -21,6 +21,7 @@ from kvbalance.cluster.connector import ClusterConnector
 from kvbalance.cluster.lazy_load import LazyLoad
 from kvbalance.cluster.member import ROLES, ClusterRun, Member, Role, gpu_name  # noqa: F401 (re-exported)
 from kvbalance.cluster.monitor import UtilizationMonitor
+from kvbalance.cluster.route_ahead import RouteAhead
 from kvbalance.cluster.routers import Router, build_router
 from kvbalance.cluster.topology import Topology
 from kvbalance.engine import InstanceLoad, StepColumns, StepOutcome
@@ -156,6 +157,15 @@ class Cluster:
                 m.driver.ahead = self._own_arrival_s(m)
                 if self.migration is None and self.llumnix is None:  # the step hook only records
                     m.driver.on_steps = self._steps_recorder(m)
+        # behind a router of counts (least_loaded), where every member runs ahead: a member runs past arrivals
+        # it can prove go to others, the router reading its counts then (``cluster/route_ahead.py``)
+        self.route_ahead: RouteAhead | None = None
+        weights = self.router.count_weights
+        if weights is not None and len(self.frontends) > 1 and all(m.driver.ahead for m in self.members):
+            ra = self.route_ahead = RouteAhead(self, weights)
+            for i, m in enumerate(self.frontends):
+                m.driver.ahead = ra.horizon(i)
+                m.driver.cross, m.driver.cohort_cross = ra.crossers(i)
 
     def _next_arrival_s(self) -> float:
         return self._arrivals[0] if self._arrivals else math.inf
@@ -240,8 +250,15 @@ class Cluster:
     # -- events -----------------------------------------------------------------
     def _arrive(self, req: Request) -> None:
         heapq.heappop(self._arrivals)
+        j = self._arrived
         self._arrived += 1
-        i = self.router.choose(req, self.loads(self.frontends))
+        loads = self.loads(self.frontends)
+        ra = self.route_ahead
+        if ra is not None:
+            ra.route(j, loads)  # members that ran past it: their counts then
+        i = self.router.choose(req, loads)
+        if ra is not None:
+            ra.routed(j, i, req)
         m = self.frontends[i]
         self.assignment[req.request_id] = m.index
         if m.role == "prefill":
@@ -352,12 +369,17 @@ class Cluster:
 
     def submit(self, req: Request) -> None:
         ahead = max(m.driver.run_end_s for m in self.members) if self._running else -math.inf
+        if self._running and self.route_ahead is not None:
+            ahead = max(ahead, self.route_ahead.passed_until_s())
         if req.arrival_s < ahead:  # a decode run or a run ahead (``InstanceDriver.ahead``) passed it
             raise ValueError(f"arrival_s: {req.request_id} at {req.arrival_s} falls inside a decode run already "
                              f"simulated (to {ahead}); submit arrivals before run(), or unset KVBALANCE_SIM_DECODE_RUNS")  # fmt: skip
         self.loop.at_quiet(req.arrival_s, self._arrive, req)  # the members' horizons account for arrivals
         heapq.heappush(self._arrivals, req.arrival_s)
-        bisect.insort(self._arrival_times, req.arrival_s)
+        index = bisect.bisect_right(self._arrival_times, req.arrival_s)  # (after those at the same time)
+        self._arrival_times.insert(index, req.arrival_s)
+        if self.route_ahead is not None:
+            self.route_ahead.submitted(index, req)
 
     def run(self, requests: Sequence[Request]) -> ClusterRun:
         reqs = list(requests)
@@ -366,6 +388,8 @@ class Cluster:
         if self.monitor is not None:
             self.loop.at(self.loop.now, self._tick)
         self._running = True
+        if self.route_ahead is not None:
+            self.route_ahead.start()
         try:
             self.loop.run()
         finally:

@@ -1,4 +1,5 @@
-"""``Instance.load()`` on demand, for the cluster's routers: counts at once, token sums on first use.
+"""``Instance.load()`` on demand, for the cluster's routers: counts at once, token sums on first use (and
+``PastLoad``: the counts an instance had at an arrival it has since been simulated past).
 
 ``Instance.load()`` walks every running and waiting request (O(requests)) for its token sums; a router of
 counts (``least_loaded``, ``round_robin``, the decode router) reads none of them, and on an 8-GPU cluster
@@ -58,3 +59,16 @@ class LazyLoad:
 
     def __getattr__(self, field: str) -> Any:  # the O(requests) fields: token sums, utilisation
         return getattr(self.full(), field)
+
+
+class PastLoad:
+    """The counts an instance had at an arrival it has since been simulated past (it provably goes to another:
+    ``cluster/route_ahead.py``), for a router that reads nothing else (``Router.count_weights``)."""
+
+    __slots__ = ("name", "num_waiting", "num_loading", "num_running")
+
+    def __init__(self, name: str, waiting: int, loading: int, running: int) -> None:
+        self.name = name
+        self.num_waiting = waiting
+        self.num_loading = loading
+        self.num_running = running

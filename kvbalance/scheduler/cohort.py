@@ -200,6 +200,7 @@ class CohortScheduling:
         step_fn: Callable[[int], Callable[[int], float]],
         on_step: Callable[[float, float, int, list[Request]], None],
         begin: Callable[[float, float, int], None] | None = None,
+        cross: Callable[[float, float, int], float | None] | None = None,
     ) -> float:
         """Run the steps from ``now`` that are the cohort's alone, each as :meth:`schedule` then :meth:`update`
         of its plan would (the members' new blocks in running order when it is planned, their fills and
@@ -210,7 +211,10 @@ class CohortScheduling:
 
         With ``begin``, the step that would end at or after ``horizon_s`` is begun instead, as :meth:`schedule`
         would plan it (its new blocks allocated, unless they might need a preemption: then not) and
-        ``begin(start_s, duration_s, members)`` told; its end is :meth:`cohort_step_end`."""
+        ``begin(start_s, duration_s, members)`` told; its end is :meth:`cohort_step_end`. With ``begin`` and
+        ``cross``, that step's new blocks allocated, ``cross(start_s, end_s, members)`` is asked first (the
+        counts during the step: ``members`` running, none waiting): a later horizon to run the step and go on
+        to (it ends before it), or None to begin it as without ``cross``."""
         if not self.cohort_run_ready():
             return now
         cohort = self._cohort
@@ -225,11 +229,15 @@ class CohortScheduling:
             d = fn(self._cbase + n * (g + 1))
             end = t + d
             if not end < horizon_s:
-                if begin is not None and self._cohort_grow(g):
+                if begin is None or not self._cohort_grow(g):
+                    break
+                h = cross(t, end, n) if cross is not None else None
+                if h is None:
                     self._step_decodes = 0
                     begin(t, d, n)
-                break
-            if not self._cohort_grow(g):
+                    break
+                horizon_s = h
+            elif not self._cohort_grow(g):
                 break
             finished: list[Request] = []
             events, fins = self._advance(end)

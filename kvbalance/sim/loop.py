@@ -30,6 +30,7 @@ class EventLoop:
         self._heap: list = []
         self._order = itertools.count()
         self._loud: list[tuple[float, int]] = []  # (time, order) of pending loud events
+        self.loud_done = 0  # loud events run so far
 
     def at(self, time_s: float, fn: Callable, *args) -> None:
         if time_s < self.now:
@@ -62,6 +63,7 @@ class EventLoop:
             t, order, fn, args = heapq.heappop(heap)
             if loud and loud[0][1] == order:
                 heapq.heappop(loud)
+                self.loud_done += 1
             self.now = t
             fn(*args)
 
@@ -114,6 +116,13 @@ class InstanceDriver:
         # ``on_step`` for the steps run ahead (for an ``on_step`` that only records)
         self.on_steps = on_steps
         self.run_end_s = -math.inf  # end of the last decode run simulated ahead of the clock
+        # with ``ahead``: ``cross(start_s, end_s, waiting, loading, running)``, asked when a planned step would end
+        # at or after the horizon (its counts those during the step): a later horizon where the instance
+        # provably has no part in what the horizon stands for (an arrival routed elsewhere, ``Cluster``), the
+        # step then run and the run going on, or None (the step's end an event of its own); ``cohort_cross``
+        # the same for the cohort's steps (``Scheduler.cohort_run``)
+        self.cross: Callable[[float, float, int, int, int], float | None] | None = None
+        self.cohort_cross: Callable[[float, float, int], float | None] | None = None
         self.decode_run_steps = 0
 
     def arrive(self, req: Request) -> None:
@@ -159,26 +168,37 @@ class InstanceDriver:
         cohort = inst.scheduler.cohort_size is not None
         cols = StepColumns() if self.on_steps is not None else None
         sched = inst.scheduler
+        cross, cohort_cross = self.cross, self.cohort_cross
         try:
             while True:
+                begun = False
                 if cohort:
                     # the step that ends at or after the horizon begun without a plan if it is the cohort's
-                    t_run, outcome = inst.cohort_run_begin(t, horizon, run_step, run_finish, cols)
+                    t_run, outcome = inst.cohort_run_begin(t, horizon, run_step, run_finish, cols, cohort_cross)
                     if t_run != t:
                         self.busy = True
                         self.run_end_s = t = t_run
+                        if cohort_cross is not None:  # the run may have gone past the horizon
+                            horizon = self.ahead()
                     if outcome is None:
                         outcome = inst.step(t)
+                    else:
+                        begun = True
                 else:
                     outcome = inst.step(t)
                 if outcome is None:
                     self.busy = False
                     return
                 end = t + outcome.result.duration_s
-                if not end < horizon:  # the step's end is an event of its own, after what comes before it
-                    self.busy = True
-                    self.loop.at_quiet(end, self._done, outcome)
-                    return
+                if not end < horizon:
+                    h = None
+                    if cross is not None and not begun:  # (a begun step was asked in the run)
+                        h = cross(t, end, sched.num_waiting, sched.num_loading, sched.num_running)
+                    if h is None:  # the step's end is an event of its own, after what comes before it
+                        self.busy = True
+                        self.loop.at_quiet(end, self._done, outcome)
+                        return
+                    horizon = h
                 self.busy = True
                 self.run_end_s = end
                 finished = inst.complete(outcome, end)

@@ -21,7 +21,14 @@ ROUTERS: Registry = Registry("router", "kvbalance.cluster.routers")
 
 
 class Router:
-    """Base class: ``choose`` returns an index into ``loads``; ``block_size`` is the cluster's KV block size."""
+    """Base class: ``choose`` returns an index into ``loads``; ``block_size`` is the cluster's KV block size.
+
+    ``count_weights`` (a, b): ``choose`` reads only the counts and picks the lowest ``score``,
+    a x (waiting + loading) + b x running, the lowest index on ties, whatever the request (None: it reads
+    more; the default). The simulator then lets an instance run past arrivals it can prove go to others
+    (``Cluster``, ``cluster/route_ahead.py``)."""
+
+    count_weights: tuple[int, int] | None = None
 
     def __init__(self, block_size: int = 16) -> None:
         self.block_size = block_size
@@ -34,6 +41,13 @@ class Router:
         that does not depend on loads or requests (None: it may; the default). The simulator then lets an
         instance run ahead to its own next arrival (``Cluster``)."""
         return None
+
+    def score(self, load: InstanceLoad) -> int:
+        """The score ``choose`` gives ``load`` (routers with ``count_weights``)."""
+        if self.count_weights is None:
+            raise NotImplementedError(f"{type(self).__name__} does not pick by counts")
+        a, b = self.count_weights
+        return a * (load.num_waiting + load.num_loading) + b * load.num_running
 
     def forget(self, req: Request, index: int) -> None:
         """The request finished on candidate ``index`` (routers that count in-flight work may use it)."""

@@ -18,11 +18,15 @@ WAITING_WEIGHT = 4  # vLLM v1 DP load balancing: waiting * 4 + running
 
 @ROUTERS.register("least_loaded")
 class LeastLoadedRouter(Router):
+    count_weights = (WAITING_WEIGHT, 1)
+
     def choose(self, req: Request, loads: Sequence[InstanceLoad]) -> int:
         return argmin([WAITING_WEIGHT * (ld.num_waiting + ld.num_loading) + ld.num_running for ld in loads])
 
 
 @ROUTERS.register("least_requests")
 class LeastRequestsRouter(Router):
+    count_weights = (1, 1)
+
     def choose(self, req: Request, loads: Sequence[InstanceLoad]) -> int:
         return argmin([ld.num_waiting + ld.num_loading + ld.num_running for ld in loads])
