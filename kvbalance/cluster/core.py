@@ -166,6 +166,7 @@ class Cluster:
             for i, m in enumerate(self.frontends):
                 m.driver.ahead = ra.horizon(i)
                 m.driver.cross, m.driver.cohort_cross = ra.crossers(i)
+                m.driver.on_idle = ra.idle(i)
 
     def _next_arrival_s(self) -> float:
         return self._arrivals[0] if self._arrivals else math.inf
@@ -269,6 +270,8 @@ class Cluster:
                 return
             self.pd.begin_prefill(req)
         m.driver.arrive(req)
+        if ra is not None:
+            ra.refresh(i)  # its bound with the request (where it did not run on and stop)
 
     def _step_hook(self, m: Member) -> Callable:
         tl = m.timeline

@@ -4,7 +4,7 @@ A member runs ahead of the clock (``InstanceDriver.ahead``) only to the next eve
 Behind ``least_loaded`` that is every arrival: the router reads every member's counts. But a member whose
 score at an arrival is provably above another's is not picked, so it may run on past it (its counts then
 recorded for the router, ``PastLoad``); it stops only at arrivals it might receive. Exact: the same run bit for
-bit (tests/test_decode_cohort.py).
+bit (tests/test_decode_cohort.py, tests/test_route_ahead.py).
 
 The proof. The router picks the lowest score ``a (waiting + loading) + b running`` (``Router.count_weights``;
 ``least_loaded``: a = 4, b = 1), the lowest index on ties. Where this is on (``Cluster``: colocated members on
@@ -21,30 +21,31 @@ No preemption (the guard). A member's *slack* is its available blocks (free plus
 waiting and loading requests, ceil((prompt + max_tokens) / block_size) - len(block_ids). While slack >= 0 no
 allocation fails (one for a request takes at most what it can still take), so nothing is preempted
 (``Scheduler._grow`` preempts only when ``allocate_slots`` fails) and slack never falls: an allocation lowers
-both sides alike; an admission takes a prefix hit's blocks (``need`` falls by the hit, available by the hit's
-unlocked part only) and new ones (both alike); a finish frees blocks and its need; publishing a block in the
-prefix cache leaves a held block held. Only an arrival lowers it, by the request's whole need. So a lower
-bound ``slack[i]``, set exactly at the start, lowered by each arrival's need as it is routed to ``i`` (and
-computed exactly again, before the request joins, when it gets low) holds from then on; while it is at least
-the needs of the next ``WINDOW`` arrivals, ``i`` cannot preempt before the last of them, whichever it gets.
+both sides alike; an admission takes a prefix hit's blocks (the need falls by the whole hit, the available
+blocks by its unlocked part only) and new ones (both alike); a finish frees blocks and its need; publishing a
+block in the prefix cache leaves a held block held. Only an arrival lowers it, by the request's whole need. So
+a lower bound ``slack[i]``, set exactly at the start, lowered by each arrival's need as it is routed to ``i``
+(computed exactly again, before the request joins, when it gets low) holds from then on; while it is at least
+``window_blocks``, the most any ``WINDOW`` consecutive arrivals can take, ``i`` cannot preempt before the
+``WINDOW``-th next arrival, whichever of them it gets.
 
-The bound. Let k be the first unrouted arrival. For each member i, ``U_i`` bounds its score at any arrival
-T_(k+l) before which it receives none of T_k .. T_(k+l-1): its score at T_k — its record if it ran past T_k,
-else its live counts (they are those at a time at or before T_k, or those of a step in flight across T_k; and
-they only fall) — where the guard holds, else ``max(a, b) x total``. Each arrival among T_k .. adds at most a.
-Member j, having run past T_k .. T_(k+l-1) (so it receives none of them), is at T_(k+l) in a step whose counts
-give it the score S_j. Of the other members, sorted by U (u_(1) <= u_(2) <= ...), one of the l + 1 lowest
-receives none of the l arrivals (score <= u_(l+1)) and the lowest receives at most l (score <= u_(1) + a l):
-some other member scores at most B_l = min(u_(l+1), u_(1) + a l). If S_j > B_l (strictly: ties go to the lower
-index) the router does not pick j: j runs past T_(k+l), recording its counts there. Bounds computed at k hold
-at a later first unrouted arrival k' too (with l counted from k), so they are recomputed only when a check
-fails and k has moved, or a loud event has run. The router is checked: picking a member that ran past the
-arrival raises.
+The bound. ``U[i]`` bounds member i's score at every arrival it has not run past, for as long as it receives
+none: where the guard holds, its score at the first arrival it ran past that is not routed yet (the highest
+of its records), else the score of its step in flight (or idle) when it last stopped; where it does not,
+``max(a, b) x total`` of the same counts. It is set whenever i stops, receives an arrival or has a record
+routed, so between those times its counts only fall (a loud event sets them all again). Let k be the first
+unrouted arrival. Member j, having run past k .. k + l - 1 (so it receives none of them), is at arrival
+k + l in a step whose counts give it the score S_j. Order the members by (U, index). Of the other members,
+one of the l + 1 first receives none of the l arrivals before k + l (its score at most its U), and the first
+receives at most l (score at most U + a l): if either is below (S_j, j) in (score, index) order, the router
+does not pick j there, and j runs past arrival k + l, recording its counts. The router is checked: picking a
+member that ran past the arrival raises.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import insort
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +53,7 @@ from typing import Any
 from kvbalance.cluster.lazy_load import PastLoad
 from kvbalance.request import Request
 
-WINDOW = 32  # a member runs past at most this many arrivals beyond the first unrouted one
+WINDOW = 16  # a member runs past at most this many arrivals beyond the first unrouted one
 
 
 class RouteAhead:
@@ -68,16 +69,17 @@ class RouteAhead:
         self.times: list[float] = cluster._arrival_times  # pending and past arrival times, sorted
         self.bs = cluster.block_size
         self.blocks: list[int] = []  # per arrival, as ``times``: the most blocks its request can take
-        n = len(self.members)
+        self.window_blocks = 0  # the most blocks WINDOW consecutive arrivals can take
+        n = self.n = len(self.members)
         self.passed = [-1] * n  # member -> the last arrival it ran past
         self.recs: list[deque] = [deque() for _ in range(n)]  # member -> (arrival, waiting, loading, running)
+        self.at: dict[int, list[int]] = {}  # arrival -> the members that ran past it
         self.slack = [0] * n  # member -> a lower bound of its slack (blocks)
         self.margin = [m.instance.kv.pool.num_blocks // 4 for m in self.members]
         self.passes = 0  # arrivals run past (all members)
-        self._k0 = -(1 << 62)  # the first unrouted arrival when the bounds were computed
-        self._loud = -1  # loud events run then
-        self._su: list[int] = []  # the bounds U, sorted
-        self._rank = [0] * n  # member -> its place in _su
+        self.keys = [i for i in range(n)]  # member -> U * n + its index
+        self.sorted_keys = sorted(self.keys)
+        self._loud = 0  # loud events run when the bounds were last all set
 
     # -- requests and arrivals -------------------------------------------------------------------
     def need(self, req: Request) -> int:
@@ -87,6 +89,18 @@ class RouteAhead:
     def submitted(self, index: int, req: Request) -> None:
         """``req``'s arrival was put at ``index`` of the arrival times."""
         self.blocks.insert(index, self.need(req))
+        if self.cluster._running:
+            self._window()
+            self._all()
+
+    def _window(self) -> None:
+        b = self.blocks
+        s = best = sum(b[:WINDOW])
+        for x in range(WINDOW, len(b)):
+            s += b[x] - b[x - WINDOW]
+            if s > best:
+                best = s
+        self.window_blocks = best
 
     def passed_until_s(self) -> float:
         """The latest arrival any member ran past (-inf: none): a later submission must come after it."""
@@ -94,8 +108,10 @@ class RouteAhead:
         return self.times[p] if p >= 0 else -math.inf
 
     def start(self) -> None:
-        for i in range(len(self.members)):
+        self._window()
+        for i in range(self.n):
             self.slack[i] = self._exact_slack(i)
+        self._all()
 
     def _exact_slack(self, i: int) -> int:
         sched = self.members[i].instance.scheduler
@@ -108,13 +124,14 @@ class RouteAhead:
 
     def route(self, j: int, loads: list) -> None:
         """Arrival ``j`` is being routed: the members that ran past it show their counts then."""
-        for i, q in enumerate(self.recs):
-            if q and q[0][0] == j:
-                _, w, ld, r = q.popleft()
-                loads[i] = PastLoad(self.members[i].instance.name, w, ld, r)
+        for i in self.at.pop(j, ()):
+            _, w, ld, r = self.recs[i].popleft()
+            loads[i] = PastLoad(self.members[i].instance.name, w, ld, r)
+            self.refresh(i)
 
     def routed(self, j: int, i: int, req: Request) -> None:
-        """Arrival ``j`` (``req``) goes to member ``i``, which has not taken it yet."""
+        """Arrival ``j`` (``req``) goes to member ``i``, which has not taken it yet (and then sets its
+        bound, :meth:`refresh`)."""
         if self.passed[i] >= j:
             raise RuntimeError(
                 f"route ahead: {self.members[i].name} ran past arrival {j} ({req.request_id}), which the router "
@@ -125,6 +142,32 @@ class RouteAhead:
         if s < self.margin[i]:
             s = self._exact_slack(i) - b
         self.slack[i] = s
+
+    # -- the bounds ------------------------------------------------------------------------------
+    def refresh(self, i: int) -> None:
+        """Set member ``i``'s bound U from its counts now (or its first unrouted record)."""
+        q = self.recs[i]
+        if q:
+            _, w, ld, r = q[0]
+        else:
+            sched = self.members[i].instance.scheduler
+            w, ld, r = len(sched.waiting), len(sched.loading), len(sched.running)
+        if self.slack[i] >= self.window_blocks:
+            u = self.a * (w + ld) + self.b * r
+        else:
+            u = max(self.a, self.b) * (w + ld + r)
+        key = u * self.n + i
+        old = self.keys[i]
+        if key != old:
+            sk = self.sorted_keys
+            sk.remove(old)
+            insort(sk, key)
+            self.keys[i] = key
+
+    def _all(self) -> None:
+        for i in range(self.n):
+            self.refresh(i)
+        self._loud = self.loop.loud_done
 
     # -- the members' horizons and crossings ----------------------------------------------------------
     def horizon(self, i: int) -> Callable[[], float]:
@@ -141,6 +184,10 @@ class RouteAhead:
 
         return ahead
 
+    def idle(self, i: int) -> Callable[[], None]:
+        """``InstanceDriver.on_idle`` of member ``i``: it stopped with nothing to do."""
+        return lambda: self.refresh(i)
+
     def crossers(
         self, i: int
     ) -> tuple[Callable[[float, float, int, int, int], float | None], Callable[[float, float, int], float | None]]:
@@ -148,75 +195,52 @@ class RouteAhead:
         (at or past the horizon) with these counts runs past each next arrival it spans that the router
         provably gives another; returns the horizon after them (``end_s`` is before it), or None: it stops."""
         cluster, times, passed, loop = self.cluster, self.times, self.passed, self.loop
-        rec = self.recs[i].append
-        a, b = self.a, self.b
-        beats = self._beats
+        q = self.recs[i]
+        at = self.at
+        a, b, n = self.a, self.b, self.n
+        keys, sk = self.keys, self.sorted_keys
+        refresh = self.refresh
+        an = a * n
 
         def cross(start_s: float, end_s: float, w: int, ld: int, r: int) -> float | None:
-            s = a * (w + ld) + b * r
+            if self._loud != loop.loud_done:
+                self._all()
+            key = (a * (w + ld) + b * r) * n + i  # (score, index) at the arrivals the step spans
             loud = loop.next_loud_time()
             k = cluster._arrived
             p = passed[i]
             j = p + 1 if p >= k else k
+            mine = keys[i]
+            first = sk[0] if sk[0] != mine else sk[1]  # the other member first in (U, index) order
             while True:
                 t = times[j] if j < len(times) else math.inf
                 h = t if t < loud else loud
                 if end_s < h:
                     return h
-                if not (t < loud and start_s < t < end_s) or not beats(i, s, j, k):
-                    return None
-                rec((j, w, ld, r))
+                if not (t < loud and start_s < t < end_s):
+                    break
+                l_ = j - k  # arrivals before j still to route (none to this member)
+                if l_ > WINDOW:
+                    break
+                if not first + an * l_ < key:  # the first may get them all
+                    if l_ >= n - 1:
+                        break
+                    x = sk[l_] if sk[l_] < mine else sk[l_ + 1]  # one of the l + 1 first gets none
+                    if not x < key:
+                        break
+                q.append((j, w, ld, r))
+                lst = at.get(j)
+                if lst is None:
+                    at[j] = [i]
+                else:
+                    lst.append(i)
                 passed[i] = j
                 self.passes += 1
                 j += 1
+            refresh(i)  # it stops: its bound from this step's counts
+            return None
 
         def cohort_cross(start_s: float, end_s: float, running: int) -> float | None:
             return cross(start_s, end_s, 0, 0, running)
 
         return cross, cohort_cross
-
-    def _beats(self, i: int, s: int, j: int, k: int) -> bool:
-        """Whether member ``i`` with score ``s`` at arrival ``j`` (having run past ``k`` .. ``j`` - 1, the
-        first unrouted ``k``) scores above some other member there, whatever the router did before."""
-        fresh = False
-        if self._loud != self.loop.loud_done or j - self._k0 > WINDOW:
-            if j - k > WINDOW:
-                return False
-            self._bounds(k)
-            fresh = True
-        n = len(self._su)
-        while True:
-            su = self._su
-            l_ = j - self._k0
-            ri = self._rank[i]
-            bound = (su[1] if ri == 0 else su[0]) + self.a * l_  # the lowest other gets them all
-            x = l_ if l_ < ri else l_ + 1  # the (l + 1)-th lowest other: one of those gets none
-            if x < n and su[x] < bound:
-                bound = su[x]
-            if s > bound:
-                return True
-            if fresh or self._k0 == k:
-                return False
-            self._bounds(k)  # tighter, from the counts now
-            fresh = True
-
-    def _bounds(self, k: int) -> None:
-        """The bounds U at first unrouted arrival ``k``, sorted."""
-        a, b = self.a, self.b
-        cap = max(a, b)
-        window = sum(self.blocks[k : k + WINDOW])  # what the next arrivals can take, wherever they go
-        us = []
-        for i, m in enumerate(self.members):
-            q = self.recs[i]
-            if q and q[0][0] == k:  # ran past k: its counts there
-                _, w, ld, r = q[0]
-            else:
-                sched = m.instance.scheduler
-                w, ld, r = len(sched.waiting), len(sched.loading), len(sched.running)
-            us.append(a * (w + ld) + b * r if self.slack[i] >= window else cap * (w + ld + r))
-        order = sorted(range(len(us)), key=us.__getitem__)
-        self._su = [us[i] for i in order]
-        for x, i in enumerate(order):
-            self._rank[i] = x
-        self._k0 = k
-        self._loud = self.loop.loud_done

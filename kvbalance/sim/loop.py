@@ -123,6 +123,7 @@ class InstanceDriver:
         # the same for the cohort's steps (``Scheduler.cohort_run``)
         self.cross: Callable[[float, float, int, int, int], float | None] | None = None
         self.cohort_cross: Callable[[float, float, int], float | None] | None = None
+        self.on_idle: Callable[[], None] | None = None  # with ``ahead``: told when a run ahead ends idle
         self.decode_run_steps = 0
 
     def arrive(self, req: Request) -> None:
@@ -188,6 +189,8 @@ class InstanceDriver:
                     outcome = inst.step(t)
                 if outcome is None:
                     self.busy = False
+                    if self.on_idle is not None:
+                        self.on_idle()
                     return
                 end = t + outcome.result.duration_s
                 if not end < horizon:
