@@ -200,6 +200,7 @@ class RouteAhead:
         a, b, n = self.a, self.b, self.n
         keys, sk = self.keys, self.sorted_keys
         refresh = self.refresh
+        deep = self._deep
         an = a * n
 
         def cross(start_s: float, end_s: float, w: int, ld: int, r: int) -> float | None:
@@ -223,11 +224,10 @@ class RouteAhead:
                 if l_ > WINDOW:
                     break
                 if not first + an * l_ < key:  # the first may get them all
-                    if l_ >= n - 1:
-                        break
-                    x = sk[l_] if sk[l_] < mine else sk[l_ + 1]  # one of the l + 1 first gets none
-                    if not x < key:
-                        break
+                    if l_ >= n - 1 or not (sk[l_] if sk[l_] < mine else sk[l_ + 1]) < key:
+                        # (one of the l + 1 first gets none)
+                        if not l_ or not deep(key, mine, j, k):
+                            break
                 q.append((j, w, ld, r))
                 lst = at.get(j)
                 if lst is None:
@@ -244,3 +244,33 @@ class RouteAhead:
             return cross(start_s, end_s, 0, 0, running)
 
         return cross, cohort_cross
+
+    def _deep(self, key: int, mine: int, j: int, k: int) -> bool:
+        """The check of :meth:`crossers` where the two bounds fail, with what the members ran past: whether
+        some other member is below ``key`` ((score, index) of the member asking, ``mine`` its key in U) at
+        arrival ``j`` whatever the router does with ``k`` .. ``j`` - 1. A member that ran past ``j`` is there
+        as recorded; one below ``key`` in U needs arrivals to rise above it, at most those it did not run past,
+        and all of them together at most ``j - k``."""
+        a, b, n = self.a, self.b, self.n
+        an = a * n
+        passed, recs = self.passed, self.recs
+        l_ = j - k
+        total = 0
+        for x in self.sorted_keys:
+            if not x < key:
+                break
+            if x == mine:
+                continue
+            xi = x % n
+            p = passed[xi]
+            if p >= j:  # its counts at j are known (it receives none of k .. j - 1)
+                q = recs[xi]
+                _, w, ld, r = q[j - q[0][0]]
+                if (a * (w + ld) + b * r) * n + xi < key:
+                    return True
+                continue
+            c = (key - x) // an + 1  # arrivals it needs to rise above
+            if c > l_ - (p - k + 1 if p >= k else 0):
+                return True
+            total += c
+        return total > l_
