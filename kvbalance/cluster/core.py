@@ -165,7 +165,7 @@ class Cluster:
             ra = self.route_ahead = RouteAhead(self, weights)
             for i, m in enumerate(self.frontends):
                 m.driver.ahead = ra.horizon(i)
-                m.driver.cross, m.driver.cohort_cross = ra.crossers(i)
+                m.driver.cross = m.driver.cohort_cross = ra.crosser(i)
                 m.driver.on_idle = ra.idle(i)
 
     def _next_arrival_s(self) -> float:

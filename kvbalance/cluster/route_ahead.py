@@ -124,10 +124,15 @@ class RouteAhead:
 
     def route(self, j: int, loads: list) -> None:
         """Arrival ``j`` is being routed: the members that ran past it show their counts then."""
-        for i in self.at.pop(j, ()):
-            _, w, ld, r = self.recs[i].popleft()
-            loads[i] = PastLoad(self.members[i].instance.name, w, ld, r)
-            self.refresh(i)
+        recs, members, refresh = self.recs, self.members, self.refresh
+        past = self.at.pop(j, ())
+        self.passes += len(past)
+        for i in past:
+            q = recs[i]
+            _, w, ld, r = q.popleft()
+            loads[i] = PastLoad(members[i].instance.name, w, ld, r)
+            if not q or q[0][1:] != (w, ld, r):  # its bound may fall
+                refresh(i)
 
     def routed(self, j: int, i: int, req: Request) -> None:
         """Arrival ``j`` (``req``) goes to member ``i``, which has not taken it yet (and then sets its
@@ -188,12 +193,11 @@ class RouteAhead:
         """``InstanceDriver.on_idle`` of member ``i``: it stopped with nothing to do."""
         return lambda: self.refresh(i)
 
-    def crossers(
-        self, i: int
-    ) -> tuple[Callable[[float, float, int, int, int], float | None], Callable[[float, float, int], float | None]]:
-        """``InstanceDriver.cross`` and ``cohort_cross`` of member ``i``: a step from ``start_s`` to ``end_s``
-        (at or past the horizon) with these counts runs past each next arrival it spans that the router
-        provably gives another; returns the horizon after them (``end_s`` is before it), or None: it stops."""
+    def crosser(self, i: int) -> Callable[..., float | None]:
+        """``InstanceDriver.cross`` (and ``cohort_cross``) of member ``i``: ``cross(start_s, end_s, running,
+        waiting=0, loading=0)``: a step from ``start_s`` to ``end_s`` (at or past the horizon) with these
+        counts runs past each next arrival it spans that the router provably gives another; returns the horizon
+        after them (``end_s`` is before it), or None: it stops."""
         cluster, times, passed, loop = self.cluster, self.times, self.passed, self.loop
         q = self.recs[i]
         at = self.at
@@ -203,7 +207,7 @@ class RouteAhead:
         deep = self._deep
         an = a * n
 
-        def cross(start_s: float, end_s: float, w: int, ld: int, r: int) -> float | None:
+        def cross(start_s: float, end_s: float, r: int, w: int = 0, ld: int = 0) -> float | None:
             if self._loud != loop.loud_done:
                 self._all()
             key = (a * (w + ld) + b * r) * n + i  # (score, index) at the arrivals the step spans
@@ -235,15 +239,11 @@ class RouteAhead:
                 else:
                     lst.append(i)
                 passed[i] = j
-                self.passes += 1
                 j += 1
             refresh(i)  # it stops: its bound from this step's counts
             return None
 
-        def cohort_cross(start_s: float, end_s: float, running: int) -> float | None:
-            return cross(start_s, end_s, 0, 0, running)
-
-        return cross, cohort_cross
+        return cross
 
     def _deep(self, key: int, mine: int, j: int, k: int) -> bool:
         """The check of :meth:`crossers` where the two bounds fail, with what the members ran past: whether

@@ -116,12 +116,12 @@ class InstanceDriver:
         # ``on_step`` for the steps run ahead (for an ``on_step`` that only records)
         self.on_steps = on_steps
         self.run_end_s = -math.inf  # end of the last decode run simulated ahead of the clock
-        # with ``ahead``: ``cross(start_s, end_s, waiting, loading, running)``, asked when a planned step would end
+        # with ``ahead``: ``cross(start_s, end_s, running, waiting, loading)``, asked when a planned step would end
         # at or after the horizon (its counts those during the step): a later horizon where the instance
         # provably has no part in what the horizon stands for (an arrival routed elsewhere, ``Cluster``), the
         # step then run and the run going on, or None (the step's end an event of its own); ``cohort_cross``
         # the same for the cohort's steps (``Scheduler.cohort_run``)
-        self.cross: Callable[[float, float, int, int, int], float | None] | None = None
+        self.cross: Callable[..., float | None] | None = None
         self.cohort_cross: Callable[[float, float, int], float | None] | None = None
         self.on_idle: Callable[[], None] | None = None  # with ``ahead``: told when a run ahead ends idle
         self.decode_run_steps = 0
@@ -196,7 +196,7 @@ class InstanceDriver:
                 if not end < horizon:
                     h = None
                     if cross is not None and not begun:  # (a begun step was asked in the run)
-                        h = cross(t, end, sched.num_waiting, sched.num_loading, sched.num_running)
+                        h = cross(t, end, sched.num_running, sched.num_waiting, sched.num_loading)
                     if h is None:  # the step's end is an event of its own, after what comes before it
                         self.busy = True
                         self.loop.at_quiet(end, self._done, outcome)
