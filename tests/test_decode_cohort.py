@@ -3,8 +3,8 @@ a plan (Instance.cohort_run_begin), steps of the cohort plus one prompt chunk (I
 them (KVBALANCE_SIM_FAST=1, decode runs off) give bit for bit the same summaries, per-request tokens, token
 times, block tables, step times and timelines as the step-by-step path (KVBALANCE_SIM_FAST=0): single instances
 under Sarathi and vLLM scheduling, with prefix-cache hits, preemptions, requests only a stop token or logprobs
-can end, a colocated cluster behind round robin (with a client abort and an outside preemption mid-run) and
-behind least-loaded routing."""
+can end, a colocated cluster behind round robin and behind least-loaded routing (members running past arrivals that
+go to others), each with a client abort and an outside preemption mid-run."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def _single_runs() -> list[str]:
     return out
 
 
-def _cluster_runs() -> list[str]:
+def _cluster_runs(steps: dict) -> list[str]:
     from kvbalance.cluster.config import ClusterConfig, InstanceGroup, build_cluster
     from kvbalance.sim.run import SimulateConfig
     from kvbalance.workloads.presets import build_requests
@@ -121,6 +121,9 @@ def _cluster_runs() -> list[str]:
         cluster.loop.at(3.0, cluster.abort, reqs[40])  # a client abort, mid-run
         cluster.loop.at(4.5, _preempt_if_running, cluster, reqs[70])  # a preemption from outside
         run = cluster.run(reqs)
+        # least_loaded: the arrivals members ran past (cluster/route_ahead.py)
+        if cluster.route_ahead is not None:
+            steps["passes"] += cluster.route_ahead.passes
         out += [_rows(reqs), json.dumps([(m.step_starts_s, m.step_durations_s, m.instance.num_steps,
                                           m.instance.load().num_preemptions, _kv_state(m.instance))
                                          for m in run.members])]  # fmt: skip
@@ -135,12 +138,12 @@ def _preempt_if_running(cluster, req) -> None:
             m.instance.scheduler.preempt(req)
 
 
-def _runs(monkeypatch, fast: str) -> tuple[list[str], int, int, int]:
+def _runs(monkeypatch, fast: str) -> tuple[list[str], int, int, int, int]:
     monkeypatch.setenv("KVBALANCE_SIM_FAST", fast)
     monkeypatch.setenv("KVBALANCE_SIM_DECODE_RUNS", "0")
     import kvbalance.engine as engine
 
-    steps = {"cohort": 0, "crossing": 0, "chunk": 0}
+    steps = {"cohort": 0, "crossing": 0, "chunk": 0, "passes": 0}
     real = engine.Instance.cohort_run
     real_step = engine.Instance.step
     real_begin = engine.Instance.cohort_run_begin
@@ -167,13 +170,13 @@ def _runs(monkeypatch, fast: str) -> tuple[list[str], int, int, int]:
     monkeypatch.setattr(engine.Instance, "cohort_run", counting)
     monkeypatch.setattr(engine.Instance, "cohort_run_begin", counting_begin)
     monkeypatch.setattr(engine.Instance, "step", counting_step)
-    out = _single_runs() + _cluster_runs()
-    return out, steps["cohort"], steps["crossing"], steps["chunk"]
+    out = _single_runs() + _cluster_runs(steps)
+    return out, steps["cohort"], steps["crossing"], steps["chunk"], steps["passes"]
 
 
 def test_the_decode_cohort_gives_the_step_by_step_results_bit_for_bit(monkeypatch):
-    on, cohort_steps, crossing, chunk = _runs(monkeypatch, "1")
-    off, off_steps, off_crossing, off_chunk = _runs(monkeypatch, "0")
+    on, cohort_steps, crossing, chunk, passes = _runs(monkeypatch, "1")
+    off, off_steps, off_crossing, off_chunk, off_passes = _runs(monkeypatch, "0")
     assert cohort_steps > 1000 and off_steps == 0  # the fast paths under test ran (and only with them on)
     # cohort-only steps that end past a member's horizon (the next arrival) begun without a plan, their end
     # an event of its own (Instance.cohort_run_begin, Scheduler.cohort_step_end)
@@ -181,6 +184,8 @@ def test_the_decode_cohort_gives_the_step_by_step_results_bit_for_bit(monkeypatc
     # steps that are the cohort plus one prompt chunk, executed and applied without the general path
     # (Instance.step's fast path: SimExecutor.execute_cohort_chunk, Scheduler.cohort_chunk_end)
     assert chunk > 100 and off_chunk == 0
+    # arrivals a member of the least-loaded cluster ran past, proven to go to another (cluster/route_ahead.py)
+    assert passes > 100 and off_passes == 0
     assert len(on) == len(off)
     for i, (a, b) in enumerate(zip(on, off)):
         assert a == b, f"output {i} differs"

@@ -175,7 +175,9 @@ class InstanceDriver:
                 begun = False
                 if cohort:
                     # the step that ends at or after the horizon begun without a plan if it is the cohort's
-                    t_run, outcome = inst.cohort_run_begin(t, horizon, run_step, run_finish, cols, cohort_cross)
+                    t_run, outcome = inst.cohort_run_begin(
+                        t, horizon, run_step, run_finish, cols, cohort_cross
+                    )
                     if t_run != t:
                         self.busy = True
                         self.run_end_s = t = t_run
