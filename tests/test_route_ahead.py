@@ -38,6 +38,12 @@ def _preempt_if_running(cluster, req) -> None:
             m.instance.scheduler.preempt(req)
 
 
+def _abort_newest(cluster, i: int) -> None:
+    running = cluster.members[i].instance.scheduler.running
+    if running:
+        cluster.abort(running[-1])
+
+
 def _run(monkeypatch, fast: str, router, count, rate, n, kv, *, loud=False) -> tuple[list[str], int]:
     from kvbalance.cluster.config import ClusterConfig, InstanceGroup, build_cluster
     from kvbalance.sim.run import SimulateConfig
@@ -53,6 +59,8 @@ def _run(monkeypatch, fast: str, router, count, rate, n, kv, *, loud=False) -> t
     if loud:
         cluster.loop.at(2.0, cluster.abort, reqs[40])  # a client abort, mid-run
         cluster.loop.at(3.5, _preempt_if_running, cluster, reqs[70])  # a preemption from outside
+        for x in range(60):  # aborts, often inside steps that span an arrival: nothing runs past them
+            cluster.loop.at(1.0 + 0.0637 * x, _abort_newest, cluster, x % count)
     run = cluster.run(reqs)
     out = [_rows(reqs), json.dumps(run.assignment, sort_keys=True),
            json.dumps([(m.step_starts_s, m.step_durations_s, m.instance.num_steps, m.instance.busy_s,
