@@ -253,10 +253,9 @@ class Cluster:
         heapq.heappop(self._arrivals)
         j = self._arrived
         self._arrived += 1
-        loads = self.loads(self.frontends)
         ra = self.route_ahead
-        if ra is not None:
-            ra.route(j, loads)  # members that ran past it: their counts then
+        # (members that ran past it: their counts then)
+        loads = self.loads(self.frontends) if ra is None else ra.loads(j)
         i = self.router.choose(req, loads)
         if ra is not None:
             ra.routed(j, i, req)

@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from kvbalance.cluster.lazy_load import PastLoad
+from kvbalance.cluster.lazy_load import LazyLoad, PastLoad
 from kvbalance.request import Request
 
 WINDOW = 16  # a member runs past at most this many arrivals beyond the first unrouted one
@@ -72,7 +72,7 @@ class RouteAhead:
         self.window_blocks = 0  # the most blocks WINDOW consecutive arrivals can take
         n = self.n = len(self.members)
         self.passed = [-1] * n  # member -> the last arrival it ran past
-        self.recs: list[deque] = [deque() for _ in range(n)]  # member -> (arrival, waiting, loading, running)
+        self.recs: list[deque] = [deque() for _ in range(n)]  # member -> (arrival, PastLoad: its counts there)
         self.at: dict[int, list[int]] = {}  # arrival -> the members that ran past it
         self.slack = [0] * n  # member -> a lower bound of its slack (blocks)
         self.margin = [m.instance.kv.pool.num_blocks // 4 for m in self.members]
@@ -122,17 +122,20 @@ class RouteAhead:
                 need += -(-(r.max_total_tokens + 1) // bs) - len(r.block_ids)
         return sched.kv.num_available_blocks - need
 
-    def route(self, j: int, loads: list) -> None:
-        """Arrival ``j`` is being routed: the members that ran past it show their counts then."""
-        recs, members, refresh = self.recs, self.members, self.refresh
-        past = self.at.pop(j, ())
-        self.passes += len(past)
-        for i in past:
-            q = recs[i]
-            _, w, ld, r = q.popleft()
-            loads[i] = PastLoad(members[i].instance.name, w, ld, r)
-            if not q or q[0][1:] != (w, ld, r):  # its bound may fall
-                refresh(i)
+    def loads(self, j: int) -> list:
+        """The loads the router reads for arrival ``j``: ``LazyLoad``, or the counts then (``PastLoad``) of the
+        members that ran past it."""
+        loads: list = [LazyLoad(m.instance) for m in self.members]
+        past = self.at.pop(j, None)
+        if past is not None:
+            self.passes += len(past)
+            recs, refresh = self.recs, self.refresh
+            for i in past:
+                q = recs[i]
+                load = loads[i] = q.popleft()[1]
+                if not q or q[0][1] is not load:  # its bound may fall
+                    refresh(i)
+        return loads
 
     def routed(self, j: int, i: int, req: Request) -> None:
         """Arrival ``j`` (``req``) goes to member ``i``, which has not taken it yet (and then sets its
@@ -153,10 +156,14 @@ class RouteAhead:
         """Set member ``i``'s bound U from its counts now (or its first unrouted record)."""
         q = self.recs[i]
         if q:
-            _, w, ld, r = q[0]
+            load = q[0][1]
+            w, ld, r = load.num_waiting, load.num_loading, load.num_running
         else:
             sched = self.members[i].instance.scheduler
             w, ld, r = len(sched.waiting), len(sched.loading), len(sched.running)
+        self._set(i, w, ld, r)
+
+    def _set(self, i: int, w: int, ld: int, r: int) -> None:
         if self.slack[i] >= self.window_blocks:
             u = self.a * (w + ld) + self.b * r
         else:
@@ -203,9 +210,10 @@ class RouteAhead:
         at = self.at
         a, b, n = self.a, self.b, self.n
         keys, sk = self.keys, self.sorted_keys
-        refresh = self.refresh
+        refresh, set_ = self.refresh, self._set
         deep = self._deep
         an = a * n
+        name = self.members[i].instance.name
 
         def cross(start_s: float, end_s: float, r: int, w: int = 0, ld: int = 0) -> float | None:
             if self._loud != loop.loud_done:
@@ -217,6 +225,7 @@ class RouteAhead:
             j = p + 1 if p >= k else k
             mine = keys[i]
             first = sk[0] if sk[0] != mine else sk[1]  # the other member first in (U, index) order
+            load = None
             while True:
                 t = times[j] if j < len(times) else math.inf
                 h = t if t < loud else loud
@@ -232,7 +241,9 @@ class RouteAhead:
                         # (one of the l + 1 first gets none)
                         if not l_ or not deep(key, mine, j, k):
                             break
-                q.append((j, w, ld, r))
+                if load is None:
+                    load = PastLoad(name, w, ld, r)
+                q.append((j, load))
                 lst = at.get(j)
                 if lst is None:
                     at[j] = [i]
@@ -240,7 +251,11 @@ class RouteAhead:
                     lst.append(i)
                 passed[i] = j
                 j += 1
-            refresh(i)  # it stops: its bound from this step's counts
+            # it stops: its bound from this step's counts (or its first record)
+            if q:
+                refresh(i)
+            else:
+                set_(i, w, ld, r)
             return None
 
         return cross
@@ -265,8 +280,8 @@ class RouteAhead:
             p = passed[xi]
             if p >= j:  # its counts at j are known (it receives none of k .. j - 1)
                 q = recs[xi]
-                _, w, ld, r = q[j - q[0][0]]
-                if (a * (w + ld) + b * r) * n + xi < key:
+                load = q[j - q[0][0]][1]
+                if (a * (load.num_waiting + load.num_loading) + b * load.num_running) * n + xi < key:
                     return True
                 continue
             c = (key - x) // an + 1  # arrivals it needs to rise above
