@@ -72,7 +72,9 @@ class RouteAhead:
         self.window_blocks = 0  # the most blocks WINDOW consecutive arrivals can take
         n = self.n = len(self.members)
         self.passed = [-1] * n  # member -> the last arrival it ran past
-        self.recs: list[deque] = [deque() for _ in range(n)]  # member -> (arrival, PastLoad: its counts there)
+        # member -> (arrival, PastLoad: its counts there, its U key from them); the key's guard holds while it
+        # has records (it receives nothing then)
+        self.recs: list[deque] = [deque() for _ in range(n)]
         self.at: dict[int, list[int]] = {}  # arrival -> the members that ran past it
         self.slack = [0] * n  # member -> a lower bound of its slack (blocks)
         self.margin = [m.instance.kv.pool.num_blocks // 4 for m in self.members]
@@ -129,12 +131,15 @@ class RouteAhead:
         past = self.at.pop(j, None)
         if past is not None:
             self.passes += len(past)
-            recs, refresh = self.recs, self.refresh
+            recs, keys = self.recs, self.keys
             for i in past:
                 q = recs[i]
-                load = loads[i] = q.popleft()[1]
-                if not q or q[0][1] is not load:  # its bound may fall
-                    refresh(i)
+                loads[i] = q.popleft()[1]
+                if q:  # its bound: its next record's
+                    if q[0][2] != keys[i]:
+                        self._move(i, q[0][2])
+                else:
+                    self.refresh(i)  # its bound may fall
         return loads
 
     def routed(self, j: int, i: int, req: Request) -> None:
@@ -156,25 +161,24 @@ class RouteAhead:
         """Set member ``i``'s bound U from its counts now (or its first unrouted record)."""
         q = self.recs[i]
         if q:
-            load = q[0][1]
-            w, ld, r = load.num_waiting, load.num_loading, load.num_running
+            key = q[0][2]
         else:
             sched = self.members[i].instance.scheduler
-            w, ld, r = len(sched.waiting), len(sched.loading), len(sched.running)
-        self._set(i, w, ld, r)
+            key = self._key(i, len(sched.waiting), len(sched.loading), len(sched.running))
+        if key != self.keys[i]:
+            self._move(i, key)
 
-    def _set(self, i: int, w: int, ld: int, r: int) -> None:
+    def _key(self, i: int, w: int, ld: int, r: int) -> int:
+        """U x n + i of member ``i`` with these counts: its score where the guard holds, else its cap."""
         if self.slack[i] >= self.window_blocks:
-            u = self.a * (w + ld) + self.b * r
-        else:
-            u = max(self.a, self.b) * (w + ld + r)
-        key = u * self.n + i
-        old = self.keys[i]
-        if key != old:
-            sk = self.sorted_keys
-            sk.remove(old)
-            insort(sk, key)
-            self.keys[i] = key
+            return (self.a * (w + ld) + self.b * r) * self.n + i
+        return max(self.a, self.b) * (w + ld + r) * self.n + i
+
+    def _move(self, i: int, key: int) -> None:
+        sk = self.sorted_keys
+        sk.remove(self.keys[i])
+        insort(sk, key)
+        self.keys[i] = key
 
     def _all(self) -> None:
         for i in range(self.n):
@@ -210,7 +214,7 @@ class RouteAhead:
         at = self.at
         a, b, n = self.a, self.b, self.n
         keys, sk = self.keys, self.sorted_keys
-        refresh, set_ = self.refresh, self._set
+        key_of, move = self._key, self._move
         deep = self._deep
         an = a * n
         name = self.members[i].instance.name
@@ -226,6 +230,7 @@ class RouteAhead:
             mine = keys[i]
             first = sk[0] if sk[0] != mine else sk[1]  # the other member first in (U, index) order
             load = None
+            rec_key = 0
             while True:
                 t = times[j] if j < len(times) else math.inf
                 h = t if t < loud else loud
@@ -243,7 +248,8 @@ class RouteAhead:
                             break
                 if load is None:
                     load = PastLoad(name, w, ld, r)
-                q.append((j, load))
+                    rec_key = key_of(i, w, ld, r)
+                q.append((j, load, rec_key))
                 lst = at.get(j)
                 if lst is None:
                     at[j] = [i]
@@ -252,10 +258,9 @@ class RouteAhead:
                 passed[i] = j
                 j += 1
             # it stops: its bound from this step's counts (or its first record)
-            if q:
-                refresh(i)
-            else:
-                set_(i, w, ld, r)
+            new = q[0][2] if q else key_of(i, w, ld, r)
+            if new != mine:
+                move(i, new)
             return None
 
         return cross
