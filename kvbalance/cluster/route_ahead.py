@@ -215,7 +215,6 @@ class RouteAhead:
         a, b, n = self.a, self.b, self.n
         keys, sk = self.keys, self.sorted_keys
         key_of, move = self._key, self._move
-        deep = self._deep
         an = a * n
         name = self.members[i].instance.name
 
@@ -243,9 +242,7 @@ class RouteAhead:
                     break
                 if not first + an * l_ < key:  # the first may get them all
                     if l_ >= n - 1 or not (sk[l_] if sk[l_] < mine else sk[l_ + 1]) < key:
-                        # (one of the l + 1 first gets none)
-                        if not l_ or not deep(key, mine, j, k):
-                            break
+                        break  # (one of the l + 1 first gets none)
                 if load is None:
                     load = PastLoad(name, w, ld, r)
                     rec_key = key_of(i, w, ld, r)
@@ -264,33 +261,3 @@ class RouteAhead:
             return None
 
         return cross
-
-    def _deep(self, key: int, mine: int, j: int, k: int) -> bool:
-        """The check of :meth:`crossers` where the two bounds fail, with what the members ran past: whether
-        some other member is below ``key`` ((score, index) of the member asking, ``mine`` its key in U) at
-        arrival ``j`` whatever the router does with ``k`` .. ``j`` - 1. A member that ran past ``j`` is there
-        as recorded; one below ``key`` in U needs arrivals to rise above it, at most those it did not run past,
-        and all of them together at most ``j - k``."""
-        a, b, n = self.a, self.b, self.n
-        an = a * n
-        passed, recs = self.passed, self.recs
-        l_ = j - k
-        total = 0
-        for x in self.sorted_keys:
-            if not x < key:
-                break
-            if x == mine:
-                continue
-            xi = x % n
-            p = passed[xi]
-            if p >= j:  # its counts at j are known (it receives none of k .. j - 1)
-                q = recs[xi]
-                load = q[j - q[0][0]][1]
-                if (a * (load.num_waiting + load.num_loading) + b * load.num_running) * n + xi < key:
-                    return True
-                continue
-            c = (key - x) // an + 1  # arrivals it needs to rise above
-            if c > l_ - (p - k + 1 if p >= k else 0):
-                return True
-            total += c
-        return total > l_
