@@ -214,7 +214,7 @@ class RouteAhead:
         at = self.at
         a, b, n = self.a, self.b, self.n
         keys, sk = self.keys, self.sorted_keys
-        key_of, move = self._key, self._move
+        key_of, move, slack = self._key, self._move, self.slack
         an = a * n
         name = self.members[i].instance.name
 
@@ -245,7 +245,7 @@ class RouteAhead:
                         break  # (one of the l + 1 first gets none)
                 if load is None:
                     load = PastLoad(name, w, ld, r)
-                    rec_key = key_of(i, w, ld, r)
+                    rec_key = key if slack[i] >= self.window_blocks else key_of(i, w, ld, r)
                 q.append((j, load, rec_key))
                 lst = at.get(j)
                 if lst is None:
@@ -255,7 +255,7 @@ class RouteAhead:
                 passed[i] = j
                 j += 1
             # it stops: its bound from this step's counts (or its first record)
-            new = q[0][2] if q else key_of(i, w, ld, r)
+            new = q[0][2] if q else key if slack[i] >= self.window_blocks else key_of(i, w, ld, r)
             if new != mine:
                 move(i, new)
             return None
