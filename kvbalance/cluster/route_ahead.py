@@ -69,7 +69,9 @@ class RouteAhead:
         self.times: list[float] = cluster._arrival_times  # pending and past arrival times, sorted
         self.bs = cluster.block_size
         self.blocks: list[int] = []  # per arrival, as ``times``: the most blocks its request can take
-        self.window_blocks = 0  # the most blocks WINDOW consecutive arrivals can take
+        # the most blocks WINDOW consecutive arrivals can take (until ``start``: more than any slack, so every
+        # bound is the cap, whatever preempts)
+        self.window_blocks = 1 << 62
         n = self.n = len(self.members)
         self.passed = [-1] * n  # member -> the last arrival it ran past
         # member -> (arrival, PastLoad: its counts there, its U key from them); the key's guard holds while it
