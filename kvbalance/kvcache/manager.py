@@ -214,17 +214,20 @@ class KVCacheManager:
                     raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
             return
         free, ref = pool._free, pool._ref  # (the plain pool's stack: what allocate(1) takes, inline)
-        for req in reqs:
+        i, k = 0, len(reqs)
+        while i < k:
             if free:
                 b = free.pop()
                 ref[b] = 1
-                req.block_ids.append(b)
+                reqs[i].block_ids.append(b)
+                i += 1
                 continue
-            b = cache.take_lru_tail()
-            if b is not None:
-                req.block_ids.append(b)
-            elif not self.allocate_one(req):
-                raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
+            j = cache.take_lru_tails(reqs, i)  # (none is free: each block off the LRU leaf's tail)
+            if j == i:
+                if not self.allocate_one(reqs[i]):
+                    raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
+                j += 1
+            i = j
 
     def reserve(self, num_blocks: int, keep_available: int = 0) -> list[int] | None:
         """``num_blocks`` blocks for KV arriving from outside before its request does (a live migration's

@@ -469,6 +469,41 @@ class RadixCache:
         self.num_evicted += 1
         return b
 
+    def take_lru_tails(self, reqs: list, start: int) -> int:
+        """:meth:`take_lru_tail` for each of ``reqs[start:]`` in order, the block appended to its ``block_ids``,
+        while it can (the same operations, one call); returns the index of the first request it could not serve
+        (``len(reqs)``: all)."""
+        heap = self._heap
+        width = self._width
+        i = start
+        k = len(reqs)
+        while i < k and heap:
+            stamp, _, node = heap[0]
+            ids = node.block_ids
+            if not (
+                len(ids) > 1
+                and node.alive
+                and node.lock_ref == 0
+                and not node.children
+                and stamp == node.last_access
+            ):
+                break
+            reqs[i].block_ids.append(ids.pop())
+            del node.hashes[len(ids) :]
+            if node.tokens is not None:
+                del node.tokens[-width:]
+            self._seq += 1
+            entry = (stamp, self._seq, node)
+            n = len(heap)  # still the smallest (the usual case): no sift
+            if (n < 2 or entry < heap[1]) and (n < 3 or entry < heap[2]):
+                heap[0] = entry
+            else:
+                heapq.heapreplace(heap, entry)
+            self.evictable_blocks -= 1
+            self.num_evicted += 1
+            i += 1
+        return i
+
     def evict_blocks(self, block_ids: Sequence[int]) -> int:
         """Drop the given blocks from the prefix cache, with every cached block below them; return blocks freed.
 
