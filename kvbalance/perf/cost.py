@@ -443,6 +443,9 @@ class CostModel:
             kernels += k
             launch = eng.launch_s(n, n, kernels)
             overlap, sync_s = eng.overlap, eng.sync_s
+            three = len(post_c) == 3 and len(post_m) == 3
+            pc0, pc1, pc2 = post_c if three else (0.0, 0.0, 0.0)
+            pm0, pm1, pm2 = post_m if three else (0.0, 0.0, 0.0)
 
             def fn(ctx: int) -> float:
                 a_flops = flops_per_ctx * ctx
@@ -455,8 +458,12 @@ class CostModel:
                 else:
                     compute_s = c_pre
                     memory_s = m_pre + mem * r
-                compute_s = reduce(add, post_c, compute_s)
-                memory_s = reduce(add, post_m, memory_s)
+                if three:  # reduce(add, ...) of three terms, written out: the same additions in the same order
+                    compute_s = compute_s + pc0 + pc1 + pc2
+                    memory_s = memory_s + pm0 + pm1 + pm2
+                else:
+                    compute_s = reduce(add, post_c, compute_s)
+                    memory_s = reduce(add, post_m, memory_s)
                 if lm_c:
                     compute_s += lm_v
                 else:
