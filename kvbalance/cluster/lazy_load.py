@@ -62,8 +62,9 @@ class LazyLoad:
 
 
 class PastLoad:
-    """The counts an instance had at an arrival it has since been simulated past (it provably goes to another:
-    ``cluster/route_ahead.py``), for a router that reads nothing else (``Router.count_weights``)."""
+    """An instance's counts for a router that reads nothing else (``Router.count_weights``): those it had at an
+    arrival it has since been simulated past (it provably goes to another: ``cluster/route_ahead.py``), or
+    its counts now (set before each arrival there)."""
 
     __slots__ = ("name", "num_waiting", "num_loading", "num_running")
 

@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from kvbalance.cluster.lazy_load import LazyLoad, PastLoad
+from kvbalance.cluster.lazy_load import PastLoad
 from kvbalance.request import Request
 
 WINDOW = 16  # a member runs past at most this many arrivals beyond the first unrouted one
@@ -84,6 +84,8 @@ class RouteAhead:
         self.keys = [i for i in range(n)]  # member -> U * n + its index
         self.sorted_keys = sorted(self.keys)
         self._loud = 0  # loud events run when the bounds were last all set
+        # each member's counts for the router, set at each arrival (``loads``)
+        self._live = [(PastLoad(m.instance.name, 0, 0, 0), m.instance.scheduler) for m in self.members]
 
     # -- requests and arrivals -------------------------------------------------------------------
     def need(self, req: Request) -> int:
@@ -127,9 +129,14 @@ class RouteAhead:
         return sched.kv.num_available_blocks - need
 
     def loads(self, j: int) -> list:
-        """The loads the router reads for arrival ``j``: ``LazyLoad``, or the counts then (``PastLoad``) of the
-        members that ran past it."""
-        loads: list = [LazyLoad(m.instance) for m in self.members]
+        """The loads the router reads for arrival ``j``: each member's counts (``PastLoad``s of the counts now,
+        reused: read them inside ``choose``), or the counts then of the members that ran past it."""
+        live = self._live
+        for ld, sched in live:  # the counts now (a router with count_weights reads nothing else)
+            ld.num_waiting = len(sched.waiting)
+            ld.num_loading = len(sched.loading)
+            ld.num_running = len(sched.running)
+        loads: list = [ld for ld, _ in live]
         past = self.at.pop(j, None)
         if past is not None:
             self.passes += len(past)

@@ -458,7 +458,7 @@ class CostModel:
                 else:
                     compute_s = c_pre
                     memory_s = m_pre + mem * r
-                if three:  # reduce(add, ...) of three terms, written out: the same additions in the same order
+                if three:  # reduce(add, ...) of three terms written out: the same additions in order
                     compute_s = compute_s + pc0 + pc1 + pc2
                     memory_s = memory_s + pm0 + pm1 + pm2
                 else:
