@@ -12,8 +12,8 @@ vLLM's least-loaded router, Poisson at 100 req/s (about 70% of the cluster's SLO
 
 Times are CPU seconds of this process (``time.process_time``; the machine is shared), per phase: building
 the requests, building the cluster, the event loop, the summary. ``--fast off`` runs with the exact fast
-paths off (``KVBALANCE_SIM_FAST=0``: no step-shape cache, decode cohort, runs ahead of the clock, lazy block
-hashes or deferred publication), for the before/after ratio; both give the same summary bit for bit (checked in
+paths off (``KVBALANCE_SIM_FAST=0``: no step-shape cache, decode cohort, runs ahead of the clock or past arrivals
+routed elsewhere, lazy block hashes or deferred publication), for the before/after ratio; both give the same summary bit for bit (checked in
 tests/test_search_speed.py and tests/test_decode_cohort.py). ``--profile`` adds a cProfile
 breakdown of the event loop by package. ``--prefix-caching off`` runs without the prefix cache (Vidur models
 none; on, SHA-256-named as vLLM V1's, is the default). Writes benchmarks/results/sim_speed/<setup>.json
