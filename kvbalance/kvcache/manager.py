@@ -222,7 +222,7 @@ class KVCacheManager:
                 reqs[i].block_ids.append(b)
                 i += 1
                 continue
-            j = cache.take_lru_tails(reqs, i)  # (none is free: each block off the LRU leaf's tail)
+            j = cache.take_lru_tails([r.block_ids for r in reqs], i)  # (none free: off the LRU leaf's tail)
             if j == i:
                 if not self.allocate_one(reqs[i]):
                     raise RuntimeError("block accounting: a cohort decode's block failed to allocate")

@@ -441,42 +441,17 @@ class RadixCache:
         blocks), but the block is handed to the caller with the cache's pool reference instead of freed (the
         caller frees it, or keeps it as its own: what ``free`` then ``allocate(1)`` would do); None (nothing
         changed) in any other case."""
-        heap = self._heap
-        if not heap:
-            return None
-        stamp, _, node = heap[0]
-        ids = node.block_ids
-        if not (
-            len(ids) > 1
-            and node.alive
-            and node.lock_ref == 0
-            and not node.children
-            and stamp == node.last_access
-        ):
-            return None
-        b = ids.pop()
-        del node.hashes[len(ids) :]
-        if node.tokens is not None:
-            del node.tokens[-self._width :]
-        self._seq += 1
-        entry = (stamp, self._seq, node)
-        n = len(heap)  # still the smallest (the usual case): no sift
-        if (n < 2 or entry < heap[1]) and (n < 3 or entry < heap[2]):
-            heap[0] = entry
-        else:
-            heapq.heapreplace(heap, entry)
-        self.evictable_blocks -= 1
-        self.num_evicted += 1
-        return b
+        got: list[int] = []
+        return got[0] if self.take_lru_tails([got]) else None
 
-    def take_lru_tails(self, reqs: list, start: int) -> int:
-        """:meth:`take_lru_tail` for each of ``reqs[start:]`` in order, the block appended to its ``block_ids``,
-        while it can (the same operations, one call); returns the index of the first request it could not serve
-        (``len(reqs)``: all)."""
+    def take_lru_tails(self, dests: list[list[int]], start: int = 0) -> int:
+        """:meth:`take_lru_tail` for each of ``dests[start:]`` in order (each a block table: the block is appended
+        to it), while it can, in one call; returns the index of the first it could not serve (``len(dests)``:
+        all)."""
         heap = self._heap
         width = self._width
         i = start
-        k = len(reqs)
+        k = len(dests)
         while i < k and heap:
             stamp, _, node = heap[0]
             ids = node.block_ids
@@ -488,7 +463,7 @@ class RadixCache:
                 and stamp == node.last_access
             ):
                 break
-            reqs[i].block_ids.append(ids.pop())
+            dests[i].append(ids.pop())
             del node.hashes[len(ids) :]
             if node.tokens is not None:
                 del node.tokens[-width:]
