@@ -260,9 +260,7 @@ class CohortScheduling:
                 on_step(t, d, n, none)
             else:
                 finished: list[Request] = []
-                events, fins = self._advance(end)
-                for m in events:
-                    self._member_event(m, fins, end, finished)
+                self._members_end(end, finished)
                 if finished:
                     self.running = [r for r in self.running if r.state is running]
                 on_step(t, d, n, finished)
@@ -288,17 +286,22 @@ class CohortScheduling:
         members' fills and finishes in running order); returns the requests that finished."""
         finished: list[Request] = []
         if self._cohort:  # (members taken out while it ran are out of the lists)
-            events, fins = self._advance(now)
-            if fins is None:
-                if events:
-                    self._fills(events)
-                return finished
-            for m in events:
-                self._member_event(m, fins, now, finished)
+            self._members_end(now, finished)
             if finished:
                 running = RequestState.RUNNING
                 self.running = [r for r in self.running if r.state is running]
         return finished
+
+    def _members_end(self, now: float, finished: list[Request]) -> None:
+        """The cohort's part of a step's end at ``now`` (:meth:`_advance`): its members' fills (:meth:`_fills`,
+        where none finishes) or each member's events in running order, the finished added to ``finished``."""
+        events, fins = self._advance(now)
+        if fins is None:
+            if events:
+                self._fills(events)
+        else:
+            for m in events:
+                self._member_event(m, fins, now, finished)
 
     def _advance(self, now: float) -> tuple[list[_Member], list[_Member] | None]:
         """One cohort step done at ``now``: the members with an event, in running order, and those finishing."""
@@ -420,13 +423,7 @@ class CohortScheduling:
         then the chunk's tokens, its sample, its filled blocks, its finish or its joining."""
         finished: list[Request] = []
         if self._cohort:  # (members taken out while it ran are out of the lists)
-            events, fins = self._advance(now)
-            if fins is None:
-                if events:
-                    self._fills(events)
-            else:
-                for m in events:
-                    self._member_event(m, fins, now, finished)
+            self._members_end(now, finished)
         s = plan.seqs[0]
         req = s.request
         running = RequestState.RUNNING
