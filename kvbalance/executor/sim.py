@@ -156,12 +156,18 @@ class SimExecutor:
         self.num_steps += 1
         self.busy_s += duration_s
 
-    def decode_tokens(self, request_id: str, first_context_len: int, count: int) -> Sequence[int]:
-        """The stand-in tokens :meth:`execute` samples for ``request_id`` over ``count`` decode steps, the first
-        at context length ``first_context_len`` (a ``range`` where they are consecutive: callers extend a list)."""
+    def _base(self, request_id: str) -> int:
+        """``standin_token(request_id, 0)``, memoised: a request's stand-in token at position p is this plus
+        p (mod the position mask)."""
         base = self._standin_base.get(request_id)
         if base is None:
             base = self._standin_base[request_id] = standin_token(request_id, 0)
+        return base
+
+    def decode_tokens(self, request_id: str, first_context_len: int, count: int) -> Sequence[int]:
+        """The stand-in tokens :meth:`execute` samples for ``request_id`` over ``count`` decode steps, the first
+        at context length ``first_context_len`` (a ``range`` where they are consecutive: callers extend a list)."""
+        base = self._base(request_id)
         lo = first_context_len & _POS_MASK
         if lo + count <= _POS_MASK + 1:
             return range(base + lo, base + lo + count)
@@ -180,10 +186,7 @@ class SimExecutor:
         s = plan.seqs[0]
         if s.sample:
             rid = s.request.request_id
-            base = self._standin_base.get(rid)
-            if base is None:
-                base = self._standin_base[rid] = standin_token(rid, 0)
-            sampled[rid] = base + ((s.start + s.num_new_tokens) & _POS_MASK)
+            sampled[rid] = self._base(rid) + ((s.start + s.num_new_tokens) & _POS_MASK)
         self.num_steps += 1
         self.busy_s += duration
         return StepResult(duration_s=duration, sampled=sampled, finished_loads=[], finished_saves=[],
@@ -196,15 +199,11 @@ class SimExecutor:
         moved_s = self.transfer_s(loads) + self.transfer_s(saves) if loads or saves else 0.0
         breakdown.transfer_s = max(0.0, moved_s - compute_s) if self.overlap_transfers else moved_s
         duration = compute_s + breakdown.transfer_s
-        bases = self._standin_base
         sampled = {}
         for s in plan.seqs:
             if s.sample:
                 rid = s.request.request_id
-                base = bases.get(rid)
-                if base is None:
-                    base = bases[rid] = standin_token(rid, 0)
-                sampled[rid] = base + ((s.start + s.num_new_tokens) & _POS_MASK)
+                sampled[rid] = self._base(rid) + ((s.start + s.num_new_tokens) & _POS_MASK)
         self.num_steps += 1
         self.busy_s += duration
         return StepResult(

@@ -214,6 +214,7 @@ class KVCacheManager:
                     raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
             return
         free, ref = pool._free, pool._ref  # (the plain pool's stack: what allocate(1) takes, inline)
+        tables = None  # the requests' block tables, for the cache's takes
         i, k = 0, len(reqs)
         while i < k:
             if free:
@@ -222,7 +223,9 @@ class KVCacheManager:
                 reqs[i].block_ids.append(b)
                 i += 1
                 continue
-            j = cache.take_lru_tails([r.block_ids for r in reqs], i)  # (none free: off the LRU leaf's tail)
+            if tables is None:
+                tables = [r.block_ids for r in reqs]
+            j = cache.take_lru_tails(tables, i)  # (none free: each block off the LRU leaf's tail)
             if j == i:
                 if not self.allocate_one(reqs[i]):
                     raise RuntimeError("block accounting: a cohort decode's block failed to allocate")
@@ -291,7 +294,7 @@ class KVCacheManager:
     def defer_full_block(self, req: Request, flush) -> list | None:
         """Instead of :meth:`cache_full_blocks` for a block ``req`` just filled, note it and publish it later
         (``flush`` then: it brings ``req``'s tokens up to date and calls :meth:`publish_deferred`), the cache
-        ending exactly as if it had been published now; False (nothing done) unless ``req``'s cached path ends
+        ending exactly as if it had been published now; nothing done (None) unless ``req``'s cached path ends
         at a leaf only it uses (lazy hashes on). Anything that reads that leaf or ``req``'s cached blocks first
         publishes them: a lookup reaching the leaf, a split, :meth:`free`, :meth:`detach`, the checks.
 
