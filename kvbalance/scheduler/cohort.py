@@ -417,6 +417,19 @@ class CohortScheduling:
             budget -= n
         return self._schedule_prefills(prefills, seqs, budget, first, preempted)
 
+    def _seq_end(
+        self, s: ScheduledSeq, result: StepResult, now: float, finished: list[Request]
+    ) -> tuple[bool, bool]:
+        """A scheduled sequence's end (``Scheduler._apply_seq``), its request finished if it is done; returns
+        (whether it may join the cohort, whether it finished)."""
+        reason, plain = self._apply_seq(s, result, now)
+        if reason is None:
+            return plain, False
+        req = s.request
+        self._finish_step(req, reason, now, finished)
+        self._pos.pop(req.request_id, None)
+        return plain, True
+
     def cohort_chunk_end(self, plan: BatchPlan, result: StepResult, now: float) -> list[Request]:
         """:meth:`_cohort_update` of a plan that is the cohort plus one prompt chunk of two or more tokens (no other
         decodes, no transfers; ``Instance.step``'s fast path): the members' fills and finishes in running order,
@@ -431,12 +444,7 @@ class CohortScheduling:
             if finished:
                 self.running = [r for r in self.running if r.state is running]
             return finished
-        reason, join = self._apply_seq(s, result, now)
-        others_changed = False
-        if reason is not None:
-            self._finish_step(req, reason, now, finished)
-            self._pos.pop(req.request_id, None)
-            others_changed = True
+        join, others_changed = self._seq_end(s, result, now, finished)
         if finished:
             self.running = [r for r in self.running if r.state is running]
         if join and req.state is running:
@@ -480,12 +488,10 @@ class CohortScheduling:
             req = s.request
             if req.state is not running:
                 continue  # aborted while the step ran
-            reason, plain = self._apply_seq(s, result, now)
+            plain, ended = self._seq_end(s, result, now, finished)
             if plain:
                 join.append(req)
-            if reason is not None:
-                self._finish_step(req, reason, now, finished)
-                self._pos.pop(req.request_id, None)
+            if ended:
                 others_changed = True
         if finished:
             self.running = [r for r in self.running if r.state is running]
