@@ -153,10 +153,10 @@ class Instance:
         self.max_context = max_context
         self.num_steps = 0
         self.busy_s = 0.0
-        self.cohort_run_steps = 0  # of num_steps, those run by cohort_run(_begin) (no plan)
+        self.cohort_run_steps = 0  # of num_steps, those run by cohort_run_begin (no plan)
         self.cohort_chunk_steps = 0  # of num_steps, the cohort plus one prompt chunk (step's fast path)
         self._chunk_fast = False  # the executor runs those (execute_cohort_chunk): on with the cohort
-        self._run_shapes: dict[int, DecodeRunStep] = {}  # cohort_run's plan stand-ins, per member count
+        self._run_shapes: dict[int, DecodeRunStep] = {}  # _cohort_run's plan stand-ins, per member count
         self._cohort_steps: dict[int, CohortStep] = {}  # cohort_run_begin's
         # a request must fit the pool it can always count on (lent blocks may be reclaimed)
         self.max_request_blocks = (
@@ -390,27 +390,6 @@ class Instance:
             self._catch_up(r, c0[i], done, i, len(ends), ends)
         return t
 
-    def cohort_run(
-        self,
-        now: float,
-        horizon_s: float,
-        on_step: Callable[[StepOutcome, float], None],
-        on_finish: Callable[[Request], None],
-        columns: StepColumns | None = None,
-    ) -> float:
-        """Run the steps from ``now`` that are the decode cohort's alone (``Scheduler.cohort_run_ready``), each
-        exactly as :meth:`step` then :meth:`complete` would (same blocks, tokens, times, counters), without a
-        plan: per step, the cost model's time from the cohort's two sums (``decode_step_fn``) and the members'
-        block events. Stops before a step that would end at or after ``horizon_s`` (the caller's next event
-        that can read or change this instance), one whose new blocks might need a preemption, and when the next
-        step is no longer the cohort's alone. ``on_step(outcome, end_s)`` gets each step (``outcome.plan`` is a
-        ``DecodeRunStep``, ``outcome.result`` a ``RunStepResult``: counts and duration only), then ``on_finish``
-        each request it finished. Returns the time reached.
-
-        With ``columns``, the run's steps are added there instead of going to ``on_step`` (for a hook that only
-        records), and ``on_finish`` gets the finished requests at the end."""
-        return self._cohort_run(now, horizon_s, on_step, on_finish, columns, None)
-
     def cohort_run_begin(
         self,
         now: float,
@@ -420,12 +399,22 @@ class Instance:
         columns: StepColumns | None = None,
         cross: Callable[[float, float, int], float | None] | None = None,
     ) -> tuple[float, StepOutcome | None]:
-        """:meth:`cohort_run`, then the step that would end at or after ``horizon_s`` begun where it is the
-        cohort's alone, as :meth:`step` would begin it but without a plan (its new blocks allocated, its time
-        from ``decode_step_fn``, the same as ``execute``'s): returns the time reached and that step's outcome
-        (``outcome.plan`` a ``CohortStep``, ``outcome.result`` a ``RunStepResult``; :meth:`complete` ends it,
-        ``Scheduler.cohort_step_end``). None: none begun; :meth:`step` plans the next step. ``cross``: asked
-        before beginning that step whether to run it and go on to a later horizon (``Scheduler.cohort_run``)."""
+        """Run the steps from ``now`` that are the decode cohort's alone (``Scheduler.cohort_run_ready``), each
+        exactly as :meth:`step` then :meth:`complete` would (same blocks, tokens, times, counters), without a
+        plan: per step, the cost model's time from the cohort's two sums (``decode_step_fn``) and the members'
+        block events. ``on_step(outcome, end_s)`` gets each step (``outcome.plan`` is a ``DecodeRunStep``,
+        ``outcome.result`` a ``RunStepResult``: counts and duration only), then ``on_finish`` each request it
+        finished; with ``columns``, the steps are added there instead (for a hook that only records) and
+        ``on_finish`` gets the finished requests at the end. The run stops at a step whose new blocks might need
+        a preemption, when the next step is no longer the cohort's alone, and at the step that would end at or
+        after ``horizon_s`` (the caller's next event that can read or change this instance): that one is begun
+        where it is the cohort's alone, as :meth:`step` would begin it but without a plan (its new blocks
+        allocated, its time from ``decode_step_fn``, the same as ``execute``'s). ``cross``: asked before
+        beginning it whether to run it and go on to a later horizon (``Scheduler.cohort_run``).
+
+        Returns the time reached and the begun step's outcome (``outcome.plan`` a ``CohortStep``,
+        ``outcome.result`` a ``RunStepResult``; :meth:`complete` ends it, ``Scheduler.cohort_step_end``), or
+        None: none begun; :meth:`step` plans the next step."""
         begun: list[tuple[float, float, int]] = []
         t = self._cohort_run(now, horizon_s, on_step, on_finish, columns, lambda *a: begun.append(a), cross)
         if not begun:

@@ -144,7 +144,6 @@ def _runs(monkeypatch, fast: str) -> tuple[list[str], int, int, int, int]:
     import kvbalance.engine as engine
 
     steps = {"cohort": 0, "crossing": 0, "chunk": 0, "passes": 0}
-    real = engine.Instance.cohort_run
     real_step = engine.Instance.step
     real_begin = engine.Instance.cohort_run_begin
 
@@ -155,19 +154,12 @@ def _runs(monkeypatch, fast: str) -> tuple[list[str], int, int, int, int]:
         steps["crossing"] += outcome is not None
         return t, outcome
 
-    def counting(self, *a, **k):
-        before = self.cohort_run_steps
-        t = real(self, *a, **k)
-        steps["cohort"] += self.cohort_run_steps - before
-        return t
-
     def counting_step(self, *a, **k):
         before = self.cohort_chunk_steps
         outcome = real_step(self, *a, **k)
         steps["chunk"] += self.cohort_chunk_steps - before
         return outcome
 
-    monkeypatch.setattr(engine.Instance, "cohort_run", counting)
     monkeypatch.setattr(engine.Instance, "cohort_run_begin", counting_begin)
     monkeypatch.setattr(engine.Instance, "step", counting_step)
     out = _single_runs() + _cluster_runs(steps)

@@ -403,7 +403,7 @@ class CostModel:
         """``c -> breakdown_total_s(self.decode_step(num_seqs, c))`` for a context sum ``c``: :meth:`step_tallied`'s
         arithmetic for a decode-only step with everything that does not depend on ``c`` done once (memoised per
         ``num_seqs``; the same float operations in the same order, so the same value to the last bit), for the
-        simulator's decode cohort (``Instance.cohort_run``), which asks it once per step."""
+        simulator's decode cohort (``Instance.cohort_run_begin``), which asks it once per step."""
         fn = self._decode_fns.get(num_seqs)
         if fn is None:
             fn = self._build_decode_fn(num_seqs)

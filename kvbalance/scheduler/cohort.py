@@ -17,7 +17,7 @@ and touches a member only at its events, in the running order the step-by-step p
 A request joins when it samples and is eligible. A step whose decodes exceed the token budget, or whose new
 blocks might need a preemption, dissolves the cohort first and runs the step-by-step logic for everyone (the
 same code with an empty cohort); they rejoin at their next sample. Steps that are the cohort's alone (nothing
-waits, no one prefills) run without a plan (:meth:`cohort_run`, from ``Instance.cohort_run``). The result is the step-by-step
+waits, no one prefills) run without a plan (:meth:`cohort_run`, from ``Instance.cohort_run_begin``). The result is the step-by-step
 path's, bit for bit: same plans' shapes and times, same block ids, cache publications and frees in the same
 order, same tokens and token times (tests/test_decode_cohort.py).
 
@@ -176,7 +176,7 @@ class CohortScheduling:
             self._cohort.clear()
             self._reset_clock()
 
-    # -- runs of cohort-only steps (Instance.cohort_run) ------------------------------------------------
+    # -- runs of cohort-only steps (Instance.cohort_run_begin) ------------------------------------------------
     def cohort_run_ready(self) -> bool:
         """Whether the next step is the cohort's alone, as :meth:`schedule` would plan it: nothing waits, loads
         or is held, every running request is a member, the policy runs the running requests first (sarathi,
