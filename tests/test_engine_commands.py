@@ -184,7 +184,9 @@ def test_control_plane_benchmark_takes_the_executors_time_out():
     point.ex.inner.step_model = SlowCost(point.ex.inner.cost_model)
     samples = [point.measure() for _ in range(5)]
     assert all(n == 4 and t == 4 for _, n, t in samples)  # a decode step of the 4 running sequences
-    assert max(s for s, _, _ in samples) < 1.5e-3  # the 3 ms inside the executor are not the control plane's
+    # the 3 ms inside the executor are not the control plane's: were they counted, every sample would take more
+    # than 3 ms; the fastest one (not the slowest: a CPU-time sample can still catch a busy machine's stall)
+    assert min(s for s, _, _ in samples) < 1.5e-3
     assert point.ex.last_s >= 3e-3
     pre = bench._Point("prefill", 256, seed=1)
     assert [pre.measure()[1:] for _ in range(2)] == [(1, 256), (1, 256)]  # a fresh prompt each step
